@@ -1,0 +1,848 @@
+"""Synthetic tasks for length extrapolation, one class per task, all registered in TASKS.
+
+Every task yields aligned pairs (x, y): y[b, t] is the target for position t, -100 where nothing
+is supervised. For language-model tasks y is x shifted left (the model predicts the next token),
+for tagging tasks (a5, mqrar) and the bidirectional arithmetic tasks (add_padded, mul_padded) the
+target sits at the position itself. The model is therefore always a per-position classifier.
+
+    task = TASKS["copy"]
+    batch = task.sample(4, 12, numpy.random.default_rng(0))   # 4 problems of length 12
+    batch.x, batch.y, batch.length                             # (4, T), (4, T), (4,)
+    task.decode(batch.x[0])                                    # ['3', '9', ..., '=', ...]
+
+`length` always means the problem length (digits to copy, number of flip-flop instructions,
+number of SCAN actions, ...), not the token count; the docstring of each task says which.
+All randomness comes from the numpy Generator passed to `sample`.
+
+Shapes: n examples, T tokens, L problem length.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+IGNORE = -100  # target of positions that are not supervised (torch cross-entropy's ignore_index)
+DIGITS = [str(d) for d in range(10)]
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor                    # (n, T) int64 input ids, padded with the task's pad id
+    y: torch.Tensor                    # (n, T) int64 target for each position, -100 = not supervised
+    length: torch.Tensor               # (n,) problem length, for the per-length plot
+    slot: torch.Tensor | None = None   # (n, T) int64, UPE slots (-1 = relative)
+
+
+class Task:
+    """Base class. A subclass sets the class attributes and implements `_sample`."""
+
+    name: str = ""
+    vocab: list[str] = []
+    causal: bool = True
+    train_lengths: list[int] = []
+    test_lengths: list[int] = []
+    min_length: int = 1
+    pad: str = "<pad>"                 # batching pad token; every vocabulary has one
+    variants: dict[str, dict] = {}     # named evaluation settings beyond length (flip-flop)
+
+    def __init__(self):
+        self.stoi = {s: i for i, s in enumerate(self.vocab)}
+        self.pad_id = self.stoi[self.pad]
+
+    # ---- public API -------------------------------------------------------------------------
+    def sample(self, n: int, length: int, rng: np.random.Generator, **opts) -> Batch:
+        self.check_length(length, **opts)
+        self.check_opts(opts)
+        batch = self._sample(n, length, rng, **opts)
+        return batch
+
+    def decode(self, ids) -> list[str]:
+        return [self.vocab[i] for i in _as_list(ids) if i != self.pad_id and i >= 0]
+
+    def check_length(self, length: int, **opts) -> None:
+        """Raise ValueError with a readable message if this task cannot produce `length`."""
+        if int(length) != length or length < self.min_length:
+            raise ValueError(f"task {self.name}: length {length} is impossible "
+                             f"(lengths must be integers >= {self.min_length})")
+
+    def check_opts(self, opts: dict) -> None:
+        allowed = self.options()
+        for k in opts:
+            if k not in allowed:
+                raise ValueError(f"task {self.name} has no option {k!r} "
+                                 f"(options: {', '.join(allowed) or 'none'})")
+
+    def options(self) -> list[str]:
+        params = inspect.signature(self._sample).parameters
+        return [p for p in params if p not in ("n", "length", "rng")]
+
+    def encode(self, tokens: list[str]) -> list[int]:
+        return [self.stoi[t] for t in tokens]
+
+    # ---- helpers for subclasses ---------------------------------------------------------------
+    def _sample(self, n, length, rng, **opts) -> Batch:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def lm_batch(self, seqs: list[list[str]], n_prompt: list[int], length) -> Batch:
+        """Language-model batch from token-string sequences: x = seq[:-1], y = seq[1:], and only
+        the tokens after the first n_prompt ones are supervised (the answer, never the prompt)."""
+        xs, ys = [], []
+        for seq, k in zip(seqs, n_prompt):
+            ids = self.encode(seq)
+            xs.append(ids[:-1])
+            ys.append([IGNORE if t + 1 < k else i for t, i in enumerate(ids[1:])])
+        return self.collate(xs, ys, length)
+
+    def collate(self, xs, ys, length, slots=None) -> Batch:
+        """Right-pad variable-length rows: x with the pad id, y with -100, slot with -1."""
+        T = max(len(r) for r in xs)
+        x = torch.full((len(xs), T), self.pad_id, dtype=torch.long)
+        y = torch.full((len(xs), T), IGNORE, dtype=torch.long)
+        slot = None if slots is None else torch.full((len(xs), T), -1, dtype=torch.long)
+        for b, (xr, yr) in enumerate(zip(xs, ys)):
+            x[b, :len(xr)] = torch.tensor(xr, dtype=torch.long)
+            y[b, :len(yr)] = torch.tensor(yr, dtype=torch.long)
+            if slots is not None:
+                slot[b, :len(slots[b])] = torch.tensor(slots[b], dtype=torch.long)
+        lengths = torch.as_tensor(np.broadcast_to(np.asarray(length), (len(xs),)).copy())
+        return Batch(x, y, lengths.long(), slot)
+
+    def lm_arrays(self, seq: np.ndarray, supervised: np.ndarray, length: int) -> Batch:
+        """Vectorised language-model batch from equal-length id arrays seq, supervised: (n, S)."""
+        x = torch.from_numpy(seq[:, :-1].astype(np.int64))
+        y = torch.from_numpy(np.where(supervised[:, 1:], seq[:, 1:], IGNORE).astype(np.int64))
+        return Batch(x, y, torch.full((len(seq),), length, dtype=torch.long))
+
+
+def _as_list(ids) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        return ids.tolist()
+    return [int(i) for i in ids]
+
+
+def collate(batches: list[Batch], pad_id: int) -> Batch:
+    """Concatenate batches of different lengths into one, right-padding to the longest."""
+    T = max(b.x.shape[1] for b in batches)
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value)
+
+    x = torch.cat([pad(b.x, pad_id) for b in batches])
+    y = torch.cat([pad(b.y, IGNORE) for b in batches])
+    length = torch.cat([b.length for b in batches])
+    slot = None
+    if batches[0].slot is not None:
+        slot = torch.cat([pad(b.slot, -1) for b in batches])
+    return Batch(x, y, length, slot)
+
+
+def sample_mixed(task: Task, n: int, lengths: list[int], rng: np.random.Generator, **opts) -> Batch:
+    """n problems whose lengths are drawn uniformly from `lengths` (one training batch)."""
+    drawn = rng.choice(np.asarray(lengths), size=n)
+    parts = [task.sample(int(c), int(L), rng, **opts)
+             for L, c in zip(*np.unique(drawn, return_counts=True))]
+    return collate(parts, task.pad_id)
+
+
+# =============================================================================================
+# PaTH tasks: flip-flop, A5 word problem, MQRAR-N
+# =============================================================================================
+
+class FlipFlop(Task):
+    """Flip-flop language modelling (Liu et al. 2023; PaTH Table 1). Causal.
+
+    `length` = number of (instruction, bit) pairs, 256 in the paper (512 tokens). The first
+    instruction is w, the last r; the middle ones are i.i.d. with P(i) = p_ignore and
+    P(w) = P(r) = (1 - p_ignore) / 2. The bit after w or i is uniform; the bit after r equals the
+    most recently written bit. Only the bits after r are supervised; the metric is the error rate
+    at those bits. Train p_ignore = 0.8; evaluation variants ID (0.8), sparse (0.98), dense (0.1).
+
+    Example (4 pairs):   w 1 i 0 w 0 r 0      x = w 1 i 0 w 0 r      y = . . . . . . 0
+    Vocabulary: <pad> w r i 0 1.
+    """
+    name = "flipflop"
+    vocab = ["<pad>", "w", "r", "i", "0", "1"]
+    train_lengths = [256]
+    test_lengths = [256]
+    min_length = 2
+    variants = {"ID": {"p_ignore": 0.8}, "sparse": {"p_ignore": 0.98}, "dense": {"p_ignore": 0.1}}
+
+    def build(self, instr: np.ndarray, bits: np.ndarray) -> Batch:
+        """instr: (n, L) ids of w/r/i; bits: (n, L) 0/1 draws. Reads get the last written bit."""
+        n, L = instr.shape
+        w, r = self.stoi["w"], self.stoi["r"]
+        t = np.broadcast_to(np.arange(L), (n, L))
+        last_w = np.maximum.accumulate(np.where(instr == w, t, -1), axis=1)  # (n, L) index of last w
+        bits = np.where(instr == r, np.take_along_axis(bits, last_w, axis=1), bits)
+        seq = np.empty((n, 2 * L), dtype=np.int64)                          # (n, 2L) interleaved
+        seq[:, 0::2] = instr
+        seq[:, 1::2] = bits + self.stoi["0"]
+        supervised = np.zeros_like(seq, dtype=bool)
+        supervised[:, 1::2] = instr == r
+        return self.lm_arrays(seq, supervised, L)
+
+    def _sample(self, n, length, rng, p_ignore=0.8):
+        if not 0.0 <= p_ignore < 1.0:
+            raise ValueError(f"task flipflop: p_ignore must be in [0, 1), got {p_ignore}")
+        w, r, i = self.stoi["w"], self.stoi["r"], self.stoi["i"]
+        p_wr = (1 - p_ignore) / 2
+        instr = rng.choice(np.array([w, r, i]), size=(n, length), p=[p_wr, p_wr, p_ignore])
+        instr[:, 0], instr[:, -1] = w, r
+        bits = rng.integers(0, 2, size=(n, length))
+        return self.build(instr, bits)
+
+
+@lru_cache(maxsize=None)
+def a5_elements() -> list[tuple[int, ...]]:
+    """The 60 even permutations of (1..5), lexicographic, so index 0 is the identity."""
+    def even(p):
+        inversions = sum(p[i] > p[j] for i in range(5) for j in range(i + 1, 5))
+        return inversions % 2 == 0
+    return [p for p in itertools.permutations(range(1, 6)) if even(p)]
+
+
+@lru_cache(maxsize=None)
+def a5_table() -> np.ndarray:
+    """(60, 60) multiplication table: index of a*b with (a*b)[i] = a[b[i]]."""
+    elems = a5_elements()
+    index = {p: k for k, p in enumerate(elems)}
+    table = np.empty((60, 60), dtype=np.int64)
+    for ia, a in enumerate(elems):
+        for ib, b in enumerate(elems):
+            table[ia, ib] = index[tuple(a[b[i] - 1] for i in range(5))]
+    return table
+
+
+class A5(Task):
+    """A5 word problem (Merrill et al. 2024; PaTH Fig. 2). Causal tagging.
+
+    Tokens are the 60 elements of A5 in one-line notation ("12345" is the identity, id 0).
+    The target at position t is the running product x_1 x_2 ... x_t with (a*b)[i] = a[b[i]].
+    `length` = number of group elements; the paper uses 20 (solved = accuracy above 90 %).
+
+    Example:  x = 23145 13425          y = 23145 34125      (23145 * 13425 = 34125)
+    Vocabulary: the 60 permutations, then <pad> (id 60).
+    """
+    name = "a5"
+    vocab = ["".join(map(str, p)) for p in a5_elements()] + ["<pad>"]
+    train_lengths = [20]
+    test_lengths = [10, 20, 30, 40]
+
+    def build(self, elems: np.ndarray) -> Batch:
+        """elems: (n, L) element ids -> targets = running products."""
+        table = a5_table()
+        prod = elems.copy()
+        for t in range(1, elems.shape[1]):
+            prod[:, t] = table[prod[:, t - 1], elems[:, t]]
+        return Batch(torch.from_numpy(elems.astype(np.int64)), torch.from_numpy(prod),
+                     torch.full((len(elems),), elems.shape[1], dtype=torch.long))
+
+    def _sample(self, n, length, rng):
+        return self.build(rng.integers(0, 60, size=(n, length)))
+
+
+class MQRAR(Task):
+    """Multi-query repeated associative recall with N-back (PaTH Fig. 2). Causal tagging.
+
+    A stream of `key value` assignments over n_keys keys and n_values values. At every key token
+    whose key already has at least N earlier assignments, the target is the N-th most recent
+    earlier value of that key; nothing else is supervised. `length` = number of assignments
+    (the paper: 384 assignments = 768 tokens, 32 keys, N in 1..4).
+
+    Example (N = 2), keys A B C D written k0 k1 k2 k3 and values 1..9,0 written v1..v9,v0:
+        x = A 1 B 2 C 3 D 4 A 5 B 6 A 7 C 8 A 9 B 0
+        y = . . . . . . . . . . . . 1 . . . 5 . 2 .
+    Vocabulary: <pad>, k0..k{n_keys-1}, v0..v{n_values-1} (32 of each).
+    """
+    name = "mqrar"
+    n_max = 32
+    vocab = ["<pad>"] + [f"k{i}" for i in range(n_max)] + [f"v{i}" for i in range(n_max)]
+    train_lengths = [384]
+    test_lengths = [384]
+
+    def build(self, keys: np.ndarray, values: np.ndarray, n_back: int) -> Batch:
+        """keys, values: (n, L) indices. Walks the stream once keeping each key's last N values."""
+        n, L = keys.shape
+        rows = np.arange(n)
+        history = np.full((n, self.n_max, n_back), -1)     # (n, K, N) most recent value first
+        count = np.zeros((n, self.n_max), dtype=np.int64)  # assignments seen per key
+        target = np.full((n, L), IGNORE)
+        for t in range(L):
+            k = keys[:, t]
+            hit = count[rows, k] >= n_back
+            target[:, t] = np.where(hit, history[rows, k, n_back - 1] + 1 + self.n_max, IGNORE)
+            history[rows, k] = np.concatenate([values[:, t:t + 1], history[rows, k, :-1]], axis=1)
+            count[rows, k] += 1
+        x = np.empty((n, 2 * L), dtype=np.int64)
+        x[:, 0::2], x[:, 1::2] = keys + 1, values + 1 + self.n_max
+        y = np.full((n, 2 * L), IGNORE, dtype=np.int64)
+        y[:, 0::2] = target
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.full((n,), L, dtype=torch.long))
+
+    def _sample(self, n, length, rng, n_back=1, n_keys=32, n_values=32):
+        if not 1 <= n_back <= 8:
+            raise ValueError(f"task mqrar: n_back must be in 1..8, got {n_back}")
+        if not (1 <= n_keys <= self.n_max and 1 <= n_values <= self.n_max):
+            raise ValueError(f"task mqrar: n_keys and n_values must be in 1..{self.n_max}")
+        return self.build(rng.integers(0, n_keys, size=(n, length)),
+                          rng.integers(0, n_values, size=(n, length)), n_back)
+
+
+# =============================================================================================
+# PRISM tasks: copy, reverse, odds_first, stack, add_cot, mul_cot, dyn_str_cpy, scan_cot
+# =============================================================================================
+
+class _DigitsTask(Task):
+    """Base of copy / reverse / odds_first: `digits = f(digits) <eos>`, answer supervised."""
+    vocab = ["<pad>"] + DIGITS + ["=", "<eos>"]
+    train_lengths = list(range(1, 11))
+    test_lengths = list(range(1, 101))
+
+    def answer(self, digits: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build(self, digits: np.ndarray) -> Batch:
+        """digits: (n, L) values 0..9."""
+        n, L = digits.shape
+        ids = digits + self.stoi["0"]
+        eq, eos = np.full((n, 1), self.stoi["="]), np.full((n, 1), self.stoi["<eos>"])
+        seq = np.concatenate([ids, eq, self.answer(ids), eos], axis=1)   # (n, 2L + 2)
+        supervised = np.zeros_like(seq, dtype=bool)
+        supervised[:, L + 1:] = True
+        return self.lm_arrays(seq, supervised, L)
+
+    def _sample(self, n, length, rng):
+        return self.build(rng.integers(0, 10, size=(n, length)))
+
+
+class Copy(_DigitsTask):
+    """Copy (PRISM Table 3). Causal. `length` = number of digits; train 1..10, test to 100.
+
+    Example:  8 3 4 9 2 1 6 = 8 3 4 9 2 1 6 <eos>   (supervised after '=')
+    Vocabulary: <pad> 0-9 = <eos>.
+    """
+    name = "copy"
+
+    def answer(self, ids):
+        return ids
+
+
+class Reverse(_DigitsTask):
+    """Reverse (PRISM Table 3). Causal. `length` = number of digits; train 1..10, test to 100.
+
+    Example:  8 3 4 9 2 1 6 = 6 1 2 9 4 3 8 <eos>
+    Vocabulary: <pad> 0-9 = <eos>.
+    """
+    name = "reverse"
+
+    def answer(self, ids):
+        return ids[:, ::-1]
+
+
+class OddsFirst(_DigitsTask):
+    """Odds first (PRISM Table 3). Causal. The digits at 0-based odd positions in order, then
+    those at even positions. `length` = number of digits; train 1..40, test to 150.
+
+    Example:  0 1 2 3 4 5 = 1 3 5 0 2 4 <eos>
+    Vocabulary: <pad> 0-9 = <eos>.
+    """
+    name = "odds_first"
+    train_lengths = list(range(1, 41))
+    test_lengths = list(range(1, 151))
+
+    def answer(self, ids):
+        return np.concatenate([ids[:, 1::2], ids[:, 0::2]], axis=1)
+
+
+class Stack(Task):
+    """Stack manipulation (PRISM Table 3, DeepMind). Causal.
+
+    An initial binary stack written bottom -> top, then actions 2 = POP, 3 = PUSH 0, 4 = PUSH 1
+    (POP on an empty stack is ignored); `length` = total number of tokens left of '=' (stack plus
+    actions). Answer: the final stack top -> bottom, terminator 2, zeros up to length + 1 tokens,
+    then <eos>. Train 1..40, test to 150.
+
+    Example:  0 1 1 0 4 2 2 = 1 1 0 2 0 0 0 0 <eos>
+    Vocabulary: <pad> 0 1 2 3 4 = <eos>.
+    """
+    name = "stack"
+    vocab = ["<pad>", "0", "1", "2", "3", "4", "=", "<eos>"]
+    train_lengths = list(range(1, 41))
+    test_lengths = list(range(1, 151))
+
+    @staticmethod
+    def run(stack: list[int], actions: list[int]) -> list[int]:
+        stack = list(stack)
+        for a in actions:
+            if a == 2:
+                if stack:
+                    stack.pop()
+            else:
+                stack.append(a - 3)
+        return stack
+
+    def tokens(self, stack: list[int], actions: list[int]) -> tuple[list[str], int]:
+        final = self.run(stack, actions)[::-1] + [2]
+        ell = len(stack) + len(actions)
+        answer = final + [0] * (ell + 1 - len(final))
+        prompt = [str(s) for s in stack + actions] + ["="]
+        return prompt + [str(a) for a in answer] + ["<eos>"], len(prompt)
+
+    def _sample(self, n, length, rng):
+        seqs, n_prompt = [], []
+        for _ in range(n):
+            m = int(rng.integers(0, length + 1))  # initial stack size; the rest are actions
+            stack = rng.integers(0, 2, size=m).tolist()
+            actions = rng.integers(2, 5, size=length - m).tolist()
+            s, k = self.tokens(stack, actions)
+            seqs.append(s)
+            n_prompt.append(k)
+        return self.lm_batch(seqs, n_prompt, length)
+
+
+def _digits_lsd_first(v: int) -> list[int]:
+    return [int(c) for c in str(v)[::-1]]
+
+
+class AddCoT(Task):
+    """Addition with chain of thought (PRISM Table 3). Causal.
+
+    Operands least-significant digit first, '+', '=', then one comma-separated step per digit
+    `d_a d_b c_out d`, then '→', the sum LSD first (with a final carry digit when it is 1), '.'.
+    `length` = digits of the longer operand (the other has 1..length digits). Train 1..10, test
+    to 30.
+
+    Example (928 + 30):  8 2 9 + 0 3 = 8 0 0 8 , 2 3 0 5 , 9 0 0 9 → 8 5 9 .
+    Vocabulary: <pad> 0-9 + = , → .
+    """
+    name = "add_cot"
+    vocab = ["<pad>"] + DIGITS + ["+", "=", ",", "→", "."]
+    train_lengths = list(range(1, 11))
+    test_lengths = list(range(1, 31))
+
+    def tokens(self, a: int, b: int) -> tuple[list[str], int]:
+        da, db = _digits_lsd_first(a), _digits_lsd_first(b)
+        prompt = [str(d) for d in da] + ["+"] + [str(d) for d in db] + ["="]
+        steps, carry = [], 0
+        for i in range(max(len(da), len(db))):
+            x = da[i] if i < len(da) else 0
+            y = db[i] if i < len(db) else 0
+            total = x + y + carry
+            carry = total // 10
+            steps.append([str(x), str(y), str(carry), str(total % 10)])
+        cot = list(itertools.chain.from_iterable(s + [","] for s in steps))[:-1]
+        return prompt + cot + ["→"] + [str(d) for d in _digits_lsd_first(a + b)] + ["."], len(prompt)
+
+    def _sample(self, n, length, rng):
+        seqs, n_prompt = [], []
+        for _ in range(n):
+            a = _uniform_with_digits(rng, length)
+            b = _uniform_with_digits(rng, int(rng.integers(1, length + 1)))
+            if rng.random() < 0.5:
+                a, b = b, a
+            s, k = self.tokens(a, b)
+            seqs.append(s)
+            n_prompt.append(k)
+        return self.lm_batch(seqs, n_prompt, length)
+
+
+def _uniform_with_digits(rng: np.random.Generator, k: int) -> int:
+    """Uniform integer with exactly k decimal digits (0..9 for k = 1)."""
+    first = rng.integers(0 if k == 1 else 1, 10)
+    return int(str(first) + "".join(map(str, rng.integers(0, 10, size=k - 1))))
+
+
+def _uniform_below(rng: np.random.Generator, k: int) -> int:
+    """Uniform integer below 10^k, digit by digit (exact for any k, unlike float draws)."""
+    return int("".join(map(str, rng.integers(0, 10, size=k))))
+
+
+class MulCoT(Task):
+    """Multiplication written as a program-like chain of thought (PRISM Table 4). Causal.
+
+    `a x b =` then `a x [` and for each digit d of b (most significant first) `d*(d→1)` followed by
+    `(e→0)` for every later digit e (a one marks the digit, the zeros count its place), the terms
+    joined by '+', then `].`. The product itself is not required. `length` = digits of b (a has
+    1..length digits). Train 1..9, test to 20. Character tokens.
+
+    Example:  675x1259=675x[1*(1→1)(2→0)(5→0)(9→0)+2*(2→1)(5→0)(9→0)+5*(5→1)(9→0)+9*(9→1)].
+    Vocabulary: <pad> 0-9 x = [ ] * ( ) → + .
+    """
+    name = "mul_cot"
+    vocab = ["<pad>"] + DIGITS + ["x", "=", "[", "]", "*", "(", ")", "→", "+", "."]
+    train_lengths = list(range(1, 10))
+    test_lengths = list(range(1, 21))
+
+    def tokens(self, a: int, b: int) -> tuple[list[str], int]:
+        db = str(b)
+        terms = []
+        for i, d in enumerate(db):
+            terms.append(f"{d}*({d}→1)" + "".join(f"({e}→0)" for e in db[i + 1:]))
+        prompt = f"{a}x{b}="
+        return list(prompt + f"{a}x[" + "+".join(terms) + "]."), len(prompt)
+
+    def _sample(self, n, length, rng):
+        seqs, n_prompt = [], []
+        for _ in range(n):
+            a = _uniform_with_digits(rng, int(rng.integers(1, length + 1)))
+            s, k = self.tokens(a, _uniform_with_digits(rng, length))
+            seqs.append(s)
+            n_prompt.append(k)
+        return self.lm_batch(seqs, n_prompt, length)
+
+
+class DynStrCpy(Task):
+    """Dynamic string copy (PRISM Table 4). Causal.
+
+    `s,d=` then the suffix of s that starts at the unique occurrence of d, then <eos>. The start
+    t is uniform over the positions of s; the other positions are filled from the alphabet
+    without s[t], so d is unique by construction. `length` = |s|. Train 1..10, test to 100.
+
+    Example:  5 8 3 9 4 7 2 , 3 = 3 9 4 7 2 <eos>
+    Vocabulary: <pad> 0-9 , = <eos>.
+    """
+    name = "dyn_str_cpy"
+    vocab = ["<pad>"] + DIGITS + [",", "=", "<eos>"]
+    train_lengths = list(range(1, 11))
+    test_lengths = list(range(1, 101))
+
+    def tokens(self, s: list[int], t: int) -> tuple[list[str], int]:
+        prompt = [str(c) for c in s] + [",", str(s[t]), "="]
+        return prompt + [str(c) for c in s[t:]] + ["<eos>"], len(prompt)
+
+    def _sample(self, n, length, rng):
+        seqs, n_prompt = [], []
+        for _ in range(n):
+            t = int(rng.integers(0, length))
+            d = int(rng.integers(0, 10))
+            others = np.array([c for c in range(10) if c != d])
+            s = rng.choice(others, size=length).tolist()
+            s[t] = d
+            seq, k = self.tokens(s, t)
+            seqs.append(seq)
+            n_prompt.append(k)
+        return self.lm_batch(seqs, n_prompt, length)
+
+
+# ---- SCAN (Lake & Baroni 2018), generated from its grammar ------------------------------------
+
+_PRIMITIVES = {"walk": "I_WALK", "look": "I_LOOK", "run": "I_RUN", "jump": "I_JUMP"}
+_TURN = {"left": "I_TURN_LEFT", "right": "I_TURN_RIGHT"}
+
+
+def _scan_phrases() -> list[str]:
+    """Every V of the grammar: U, D, D opposite, D around (34 phrases)."""
+    us = list(_PRIMITIVES)
+    ds = [f"{u} {d}" for u in us for d in _TURN] + [f"turn {d}" for d in _TURN]
+    return us + ds + [d.replace(" ", " opposite ") for d in ds] + [d.replace(" ", " around ") for d in ds]
+
+
+def scan_phrase_actions(phrase: str) -> list[str]:
+    """Semantics of one V phrase, e.g. 'walk around left' -> (I_TURN_LEFT I_WALK) x 4."""
+    words = phrase.split()
+    if len(words) == 1:
+        return [_PRIMITIVES[words[0]]]
+    verb, direction = words[0], _TURN[words[-1]]
+    act = [] if verb == "turn" else [_PRIMITIVES[verb]]
+    if len(words) == 2:
+        return [direction] + act
+    if words[1] == "opposite":
+        return [direction, direction] + act
+    return ([direction] + act) * 4  # around
+
+
+def scan_parse(command: str) -> list[str]:
+    """The command's phrases in execution order, with twice/thrice expanded."""
+    def clause(s: str) -> list[str]:
+        words = s.split()
+        repeat = {"twice": 2, "thrice": 3}.get(words[-1], 1)
+        phrase = " ".join(words[:-1] if repeat > 1 else words)
+        return [phrase] * repeat
+    if " and " in command:
+        first, second = command.split(" and ")
+        return clause(first) + clause(second)
+    if " after " in command:
+        first, second = command.split(" after ")
+        return clause(second) + clause(first)
+    return clause(command)
+
+
+def scan_actions(command: str) -> str:
+    return " ".join(a for p in scan_parse(command) for a in scan_phrase_actions(p))
+
+
+@lru_cache(maxsize=None)
+def scan_commands() -> tuple[str, ...]:
+    """All 20,910 SCAN commands: C -> S | S and S | S after S; S -> V | V twice | V thrice."""
+    ss = [v + rep for v in _scan_phrases() for rep in ("", " twice", " thrice")]
+    return tuple(ss + [f"{a} {c} {b}" for a in ss for c in ("and", "after") for b in ss])
+
+
+def scan_split(name: str = "length") -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(train, test) lists of (command, actions). 'length': train = at most 22 actions, test = at
+    least 24 (the SCAN length split)."""
+    if name != "length":
+        raise ValueError(f"unknown SCAN split {name!r} (available: length)")
+    pairs = [(c, scan_actions(c)) for c in scan_commands()]
+    n_act = [len(a.split()) for _, a in pairs]
+    return ([p for p, k in zip(pairs, n_act) if k <= 22], [p for p, k in zip(pairs, n_act) if k >= 24])
+
+
+@lru_cache(maxsize=None)
+def _scan_by_length() -> dict[int, list[tuple[str, str]]]:
+    train, test = scan_split("length")
+    by_len: dict[int, list[tuple[str, str]]] = {}
+    for c, a in train + test:
+        by_len.setdefault(len(a.split()), []).append((c, a))
+    return by_len
+
+
+def _scan_cot(command: str) -> list[str]:
+    """PRISM's first CoT step: execution order, repetitions as '+'-joined copies, clauses joined
+    by 'and' (an 'after' command is reordered)."""
+    if " after " in command:
+        first, second = command.split(" after ")
+        clauses = [second, first]
+    else:
+        clauses = command.split(" and ")
+    out = []
+    for c in clauses:
+        n_rep = len(scan_parse(c))
+        phrase = scan_parse(c)[0]
+        out.append(" + ".join([phrase] * n_rep))
+    return " and ".join(out).split()
+
+
+class Scan(Task):
+    """SCAN, length split (Lake & Baroni 2018), generated from the grammar in code. Causal.
+
+    `command = actions <eos>`, word-level tokens. `length` = number of actions; lengths up to 22
+    come from the train split, 24 and more from the test split (the length split). Train lengths
+    are every action count of the train split; test lengths all counts (1..48).
+
+    Example:  jump twice after walk left = I_TURN_LEFT I_WALK I_JUMP I_JUMP <eos>
+    Vocabulary: <pad>, the 13 command words, =, the 6 actions, <eos>, and for scan_cot + → : .
+    """
+    name = "scan"
+    words = ["walk", "look", "run", "jump", "turn", "left", "right", "opposite", "around",
+             "twice", "thrice", "and", "after"]
+    vocab = (["<pad>"] + words + ["="] + list(_PRIMITIVES.values()) + list(_TURN.values())
+             + ["<eos>", "+", "→", ":", "."])
+
+    @property
+    def train_lengths(self):
+        return sorted(L for L in _scan_by_length() if L <= 22)
+
+    @property
+    def test_lengths(self):
+        return sorted(_scan_by_length())
+
+    def check_length(self, length, **opts):
+        if length not in _scan_by_length():
+            raise ValueError(f"task {self.name}: no SCAN command has {length} actions "
+                             f"(possible: {', '.join(map(str, self.test_lengths))})")
+
+    def tokens(self, command: str, actions: str) -> tuple[list[str], int]:
+        prompt = command.split() + ["="]
+        return prompt + actions.split() + ["<eos>"], len(prompt)
+
+    def _sample(self, n, length, rng):
+        pool = _scan_by_length()[length]
+        picks = rng.integers(0, len(pool), size=n)
+        seqs, n_prompt = [], []
+        for i in picks:
+            s, k = self.tokens(*pool[i])
+            seqs.append(s)
+            n_prompt.append(k)
+        return self.lm_batch(seqs, n_prompt, length)
+
+
+class ScanCoT(Scan):
+    """SCAN with PRISM's two chain-of-thought steps (PRISM Table 4). Causal.
+
+    `command =`, the command rewritten in execution order (twice/thrice as '+'-joined copies,
+    'and' between clauses), '→', then `phrase : actions` for each phrase in order, then '.'.
+    `length` = number of actions, as for scan.
+
+    Example:  jump twice after walk left = walk left and jump + jump → walk left : I_TURN_LEFT
+              I_WALK jump : I_JUMP jump : I_JUMP .
+    """
+    name = "scan_cot"
+
+    def tokens(self, command: str, actions: str) -> tuple[list[str], int]:
+        prompt = command.split() + ["="]
+        steps = []
+        for p in scan_parse(command):
+            steps += p.split() + [":"] + scan_phrase_actions(p)
+        return prompt + _scan_cot(command) + ["→"] + steps + ["."], len(prompt)
+
+
+# =============================================================================================
+# ViPE tasks: polynomial iteration, parity, binary copy (Cabannes et al. 2024)
+# =============================================================================================
+
+class _Iterative(Task):
+    """Base: `<bos> x_1..x_L <eoi> y_1..y_L <eos>`, supervised on y and <eos>."""
+    vocab = ["<pad>", "<bos>", "<eoi>", "<eos>", "0", "1", "2", "3", "4"]
+    train_lengths = list(range(1, 17))
+    test_lengths = list(range(1, 49))
+    low, high = 0, 2  # x is uniform in [low, high)
+
+    def step(self, s: np.ndarray, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def build(self, xs: np.ndarray) -> Batch:
+        """xs: (n, L) input values -> y_1 = x_1, y_t = step(y_{t-1}, x_t)."""
+        n, L = xs.shape
+        ys = xs.copy()
+        for t in range(1, L):
+            ys[:, t] = self.step(ys[:, t - 1], xs[:, t])
+        col = lambda tok: np.full((n, 1), self.stoi[tok])  # noqa: E731
+        zero = self.stoi["0"]
+        seq = np.concatenate([col("<bos>"), xs + zero, col("<eoi>"), ys + zero, col("<eos>")], 1)
+        supervised = np.zeros_like(seq, dtype=bool)
+        supervised[:, L + 2:] = True                      # y_1 .. y_L and <eos>
+        return self.lm_arrays(seq, supervised, L)
+
+    def _sample(self, n, length, rng):
+        return self.build(rng.integers(self.low, self.high, size=(n, length)))
+
+
+class Polynomial(_Iterative):
+    """Polynomial iteration (ViPE Table 3). Causal. x in {1..4}, y_1 = x_1,
+    y_t = (y_{t-1} * x_t + 1) mod 5. `length` = L; train 1..16, test 17..48 (and the train range).
+
+    Example:  <bos> 1 2 3 4 <eoi> 1 3 0 1 <eos>
+    Vocabulary: <pad> <bos> <eoi> <eos> 0 1 2 3 4.
+    """
+    name = "polynomial"
+    low, high = 1, 5
+
+    def step(self, s, x):
+        return (s * x + 1) % 5
+
+
+class Parity(_Iterative):
+    """Parity (ViPE Table 3). Causal. x in {0, 1}, y_t = (x_1 + ... + x_t) mod 2.
+
+    Example:  <bos> 1 1 1 0 1 <eoi> 1 0 1 1 0 <eos>
+    """
+    name = "parity"
+
+    def step(self, s, x):
+        return (s + x) % 2
+
+
+class BinaryCopy(_Iterative):
+    """Binary copy (ViPE Table 3). Causal. x in {0, 1}, y = x.
+
+    Example:  <bos> 1 0 1 0 0 <eoi> 1 0 1 0 0 <eos>
+    """
+    name = "binary_copy"
+
+    def step(self, s, x):
+        return x
+
+
+# =============================================================================================
+# UPE tasks: padded addition and multiplication for a bidirectional encoder
+# =============================================================================================
+
+class _Padded(Task):
+    """Base of the UPE arithmetic tasks: fixed width, '#' is the number padding symbol (the
+    paper's "pad"), and '<pad>' only pads batches (never used, all rows have equal length)."""
+    vocab = ["<pad>"] + DIGITS + ["#", "+", "×"]
+    causal = False
+    width = 20
+    train_lengths = [5]
+    test_lengths = list(range(1, 21))
+
+    def check_length(self, length, width=None, **opts):
+        super().check_length(length)
+        width = self.width if width is None else width
+        if length > width:
+            raise ValueError(f"task {self.name}: length {length} does not fit the width {width} "
+                             f"(pass width >= {length})")
+
+    @staticmethod
+    def padded(v: int, width: int) -> list[str]:
+        s = str(v)
+        return ["#"] * (width - len(s)) + list(s)
+
+
+class AddPadded(_Padded):
+    """Padded addition (UPE eq. 3.1). Bidirectional.
+
+    Input: a left-padded with '#' to `width` digits, '+', b left-padded to `width` digits.
+    Output: the sum right-aligned under b over the width + 1 positions starting at '+', left-padded
+    with '#' (the pads are supervised); -100 elsewhere. `length` = k: both operands uniform below
+    10^k. Train k = 5 (operands below 10^5); test k = 1..width.
+
+    Example (width 20, 123 + 4095), '#' x 17 written #17:
+        x = #17 1 2 3 + #16 4 0 9 5
+        y = .20      #17 4 2 1 8
+    """
+    name = "add_padded"
+
+    def tokens(self, a: int, b: int, width: int) -> tuple[list[str], list[str | None]]:
+        x = self.padded(a, width) + ["+"] + self.padded(b, width)
+        y = [None] * width + self.padded(a + b, width + 1)
+        return x, y
+
+    def _sample(self, n, length, rng, width=None):
+        width = self.width if width is None else width
+        xs, ys = [], []
+        for _ in range(n):
+            a, b = (_uniform_below(rng, length) for _ in range(2))
+            x, y = self.tokens(a, b, width)
+            xs.append(self.encode(x))
+            ys.append([IGNORE if t is None else self.stoi[t] for t in y])
+        return self.collate(xs, ys, length)
+
+
+class MulPadded(_Padded):
+    """Padded multiplication (UPE eq. 3.2). Bidirectional.
+
+    Input: the multiplier (exactly `multiplier_digits` digits, not padded), '×', the multiplicand
+    left-padded with '#' to `width` digits. Output: the product right-aligned over the last
+    width + multiplier_digits positions, left-padded with '#' (pads supervised); -100 elsewhere.
+    slot[t] = index of the multiplier digit at its position (0 = least significant), -1 elsewhere.
+    `length` = k: the multiplicand is uniform below 10^k. Train k = 5; test k = 1..width.
+
+    Example (width 20, 56 × 4297):
+        x    = 5 6 × #16 4 2 9 7
+        y    = . #16 2 4 0 6 3 2
+        slot = 1 0 -1 ...
+    """
+    name = "mul_padded"
+
+    def tokens(self, a: int, b: int, width: int):
+        m = len(str(a))
+        x = list(str(a)) + ["×"] + self.padded(b, width)
+        y = [None] * (len(x) - width - m) + self.padded(a * b, width + m)
+        slot = list(range(m - 1, -1, -1)) + [-1] * (width + 1)
+        return x, y, slot
+
+    def _sample(self, n, length, rng, width=None, multiplier_digits=3):
+        width = self.width if width is None else width
+        if multiplier_digits not in (1, 2, 3):
+            raise ValueError(f"task mul_padded: multiplier_digits must be 1, 2 or 3, got {multiplier_digits}")
+        xs, ys, slots = [], [], []
+        for _ in range(n):
+            a = int(rng.integers(1 if multiplier_digits == 1 else 10 ** (multiplier_digits - 1),
+                                 10 ** multiplier_digits))
+            x, y, slot = self.tokens(a, _uniform_below(rng, length), width)
+            xs.append(self.encode(x))
+            ys.append([IGNORE if t is None else self.stoi[t] for t in y])
+            slots.append(slot)
+        return self.collate(xs, ys, length, slots)
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    FlipFlop(), A5(), MQRAR(), Copy(), Reverse(), OddsFirst(), Stack(), AddCoT(), MulCoT(),
+    DynStrCpy(), Scan(), ScanCoT(), Polynomial(), Parity(), BinaryCopy(), AddPadded(), MulPadded())}

@@ -223,9 +223,10 @@ class A5(Task):
 
     Tokens are the 60 elements of A5 in one-line notation ("12345" is the identity, id 0).
     The target at position t is the running product x_1 x_2 ... x_t with (a*b)[i] = a[b[i]].
-    `length` = number of group elements; the paper uses 20 (solved = accuracy above 90 %).
+    `length` = number of group elements; train 20 as in the paper (solved = accuracy above 90 %),
+    test 10, 20, 30, 40.
 
-    Example:  x = 23145 13425          y = 23145 34125      (23145 * 13425 = 34125)
+    Example:  x = 23145 13425    y = 23145 21435    (23145 * 13425 = 21435)
     Vocabulary: the 60 permutations, then <pad> (id 60).
     """
     name = "a5"
@@ -252,7 +253,7 @@ class MQRAR(Task):
     A stream of `key value` assignments over n_keys keys and n_values values. At every key token
     whose key already has at least N earlier assignments, the target is the N-th most recent
     earlier value of that key; nothing else is supervised. `length` = number of assignments
-    (the paper: 384 assignments = 768 tokens, 32 keys, N in 1..4).
+    (the paper: 384 assignments = 768 tokens, 32 keys, N in 1..4); train and test 384.
 
     Example (N = 2), keys A B C D written k0 k1 k2 k3 and values 1..9,0 written v1..v9,v0:
         x = A 1 B 2 C 3 D 4 A 5 B 6 A 7 C 8 A 9 B 0
@@ -671,6 +672,7 @@ class ScanCoT(Scan):
 
     Example:  jump twice after walk left = walk left and jump + jump → walk left : I_TURN_LEFT
               I_WALK jump : I_JUMP jump : I_JUMP .
+    Vocabulary: as scan; train lengths up to 22 actions.
     """
     name = "scan_cot"
 
@@ -731,6 +733,7 @@ class Parity(_Iterative):
     """Parity (ViPE Table 3). Causal. x in {0, 1}, y_t = (x_1 + ... + x_t) mod 2.
 
     Example:  <bos> 1 1 1 0 1 <eoi> 1 0 1 1 0 <eos>
+    Lengths as polynomial (train 1..16). Vocabulary: as polynomial (only 0 and 1 occur).
     """
     name = "parity"
 
@@ -742,6 +745,7 @@ class BinaryCopy(_Iterative):
     """Binary copy (ViPE Table 3). Causal. x in {0, 1}, y = x.
 
     Example:  <bos> 1 0 1 0 0 <eoi> 1 0 1 0 0 <eos>
+    Lengths as polynomial (train 1..16). Vocabulary: as polynomial (only 0 and 1 occur).
     """
     name = "binary_copy"
 
@@ -786,6 +790,7 @@ class AddPadded(_Padded):
     Example (width 20, 123 + 4095), '#' x 17 written #17:
         x = #17 1 2 3 + #16 4 0 9 5
         y = .20      #17 4 2 1 8
+    Vocabulary: <pad> 0-9 # + ×.
     """
     name = "add_padded"
 
@@ -818,6 +823,7 @@ class MulPadded(_Padded):
         x    = 5 6 × #16 4 2 9 7
         y    = . #16 2 4 0 6 3 2
         slot = 1 0 -1 ...
+    Vocabulary: <pad> 0-9 # + ×.
     """
     name = "mul_padded"
 

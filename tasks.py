@@ -191,7 +191,8 @@ class FlipFlop(Task):
             raise ValueError(f"task flipflop: p_ignore must be in [0, 1), got {p_ignore}")
         w, r, i = self.stoi["w"], self.stoi["r"], self.stoi["i"]
         p_wr = (1 - p_ignore) / 2
-        instr = rng.choice(np.array([w, r, i]), size=(n, length), p=[p_wr, p_wr, p_ignore])
+        u = rng.random(size=(n, length))
+        instr = np.where(u < p_ignore, i, np.where(u < p_ignore + p_wr, w, r))
         instr[:, 0], instr[:, -1] = w, r
         bits = rng.integers(0, 2, size=(n, length))
         return self.build(instr, bits)

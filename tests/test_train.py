@@ -1,0 +1,320 @@
+"""The shared model, the baselines, the training loop, evaluation, resume and the CLI (CPU)."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from tasks import IGNORE, TASKS, sample_mixed
+from train import (METHODS, Model, ModelConfig, TrainConfig, attend, evaluate, greedy_decode, main,
+                   make_config, rotary, score)
+
+BASELINES = ["nope", "ape", "rope", "alibi", "t5", "fire"]
+
+
+def tiny_config(tmp_path, **kw):
+    values = dict(task="copy", method="rope", steps=20, batch_size=8, d_model=32, n_layers=1, n_heads=2,
+                  n_eval=8, test_lengths=[2, 4], train_lengths=[1, 2, 3], out=str(tmp_path), device="cpu",
+                  log_every=1e9, ckpt_every=5, warmup=2)
+    values.update(kw)
+    return make_config(values, "cpu")
+
+
+# ---- the attention baselines ------------------------------------------------------------------
+
+def test_attend_matches_explicit_softmax():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 7, 8, dtype=torch.float64).unbind(0)
+    bias = torch.randn(2, 7, 7, dtype=torch.float64)
+    key_mask = torch.rand(2, 7) > 0.3
+    key_mask[:, 0] = True
+    for causal in (True, False):
+        logits = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
+        if causal:
+            logits = logits.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), -math.inf)
+        logits = logits.masked_fill(~key_mask[:, None, None], -math.inf)
+        ref = logits.softmax(-1) @ v
+        out = attend(q, k, v, causal, bias, key_mask)
+        assert torch.allclose(out, ref, atol=1e-12), (out - ref).abs().max()
+
+
+def test_rope_logits_depend_only_on_offset():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 1, 16, dtype=torch.float64).unbind(0)
+    T = 12
+    qs, ks = rotary(q.expand(1, 1, T, 16), 10000.0), rotary(k.expand(1, 1, T, 16), 10000.0)
+    logits = (qs @ ks.transpose(-1, -2))[0, 0]                 # (T, T): same q and k at every position
+    for offset in range(-5, 6):
+        diag = torch.diagonal(logits, offset)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-12)
+    assert not torch.allclose(torch.diagonal(logits, 0)[0], torch.diagonal(logits, 3)[0])
+
+
+def test_alibi_and_t5_biases():
+    cfg = ModelConfig(n_heads=4, causal=True)
+    alibi = train.AlibiBias(cfg)(6, "cpu")
+    assert torch.allclose(alibi[0, 5, 2], torch.tensor(-3 * 2 ** -2.0))   # slope 2^(-8/4) for head 1
+    assert torch.allclose(alibi[3, 4, 1], torch.tensor(-3 * 2 ** -8.0))
+    t5 = train.T5Bias(ModelConfig(n_heads=2, causal=False, t5_buckets=32, t5_max_distance=128))
+    rel = torch.tensor([0, 1, 7, 8, 100, 1000, -1, -1000])
+    b = t5.bucket(rel).tolist()
+    assert b[:4] == [0, 1, 7, 8] and b[4] < 16 and b[5] == 15       # exact, then logarithmic, then capped
+    assert b[6] == 17 and b[7] == 31                                 # keys after the query: upper half
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_causal_baselines_never_look_ahead(method):
+    torch.manual_seed(0)
+    model = Model(ModelConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=2, method=method, causal=True)).eval()
+    x = torch.randint(0, 10, (2, 12))
+    x2 = x.clone()
+    x2[:, 8:] = (x2[:, 8:] + 1) % 10
+    a, b = model(x), model(x2)
+    assert torch.allclose(a[:, :8], b[:, :8], atol=1e-6)
+    assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_baselines_learn_in_both_modes(method, tmp_path):
+    """Forward and backward in causal and bidirectional mode; the loss of a tiny model falls on
+    copy (lengths 1-3) within 100 steps to under 0.45 of its initial value (~ln 12). The slowest
+    baselines (nope, alibi: no way to tell positions apart exactly) reach about 0.37."""
+    task = TASKS["copy"]
+    for causal in (True, False):
+        torch.manual_seed(0)
+        model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=32, n_layers=2, n_heads=2,
+                                  method=method, causal=causal))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rng = np.random.default_rng(0)
+        losses = []
+        for _ in range(100):
+            batch = sample_mixed(task, 32, [1, 2, 3], rng)
+            loss = F.cross_entropy(model(batch.x).flatten(0, 1), batch.y.flatten(), ignore_index=IGNORE)
+            opt.zero_grad()
+            loss.backward()
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.step()
+            losses.append(loss.item())
+        assert np.mean(losses[-10:]) < 0.45 * np.mean(losses[:5]), (method, causal, losses[:5], losses[-10:])
+
+
+def test_ape_random_shift_only_in_training():
+    cfg = ModelConfig(vocab_size=5, d_model=16, n_heads=2, method="ape", ape_shift=50)
+    model = Model(cfg)
+    x = torch.zeros(4, 6, dtype=torch.long)
+    model.eval()
+    assert torch.equal(model(x), model(x))
+    model.train()
+    torch.manual_seed(0)
+    out = model(x)
+    assert not torch.allclose(out[0], out[1])   # different random offsets per sequence
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+
+def test_score_counts_supervised_positions_only():
+    y = torch.tensor([[IGNORE, 1, 2], [IGNORE, 1, 2], [IGNORE, IGNORE, IGNORE]])
+    pred = torch.tensor([[0, 1, 2], [2, 1, 0], [1, 1, 1]])
+    exact, right, sup = score(F.one_hot(pred, 3).float(), y)
+    assert exact.tolist() == [True, False, True] and (right, sup) == (3, 4)
+
+
+def trained_model(task, lengths, steps, seed=0, d=32):
+    torch.manual_seed(seed)
+    model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=d, n_layers=2, n_heads=2, method="rope"))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        batch = sample_mixed(task, 32, lengths, rng)
+        loss = F.cross_entropy(model(batch.x).flatten(0, 1), batch.y.flatten(), ignore_index=IGNORE)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("name,lengths,steps", [("copy", [1, 2, 3, 4, 5], 150), ("flipflop", [6], 40)])
+def test_teacher_forced_exact_match_equals_greedy_decoding(name, lengths, steps):
+    task = TASKS[name]
+    model = trained_model(task, lengths, steps)
+    batch = sample_mixed(task, 96, lengths, np.random.default_rng(7))
+    with torch.no_grad():
+        exact, _, _ = score(model(batch.x), batch.y)
+    greedy = greedy_decode(model, task, batch)
+    assert torch.equal(exact, greedy)
+    assert 0 < exact.sum() < len(exact), "the check needs both right and wrong sequences"
+
+
+def test_evaluate_reports_each_length_and_variant():
+    task = TASKS["flipflop"]
+    model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=16, n_layers=1, n_heads=2, method="nope"))
+    rows = evaluate(model, task, [8], 16, 0, "cpu")
+    assert [r["name"] for r in rows] == ["ID", "sparse", "dense"]
+    rows2 = evaluate(model, task, [8], 16, 0, "cpu")
+    assert rows == rows2                               # its own generator: the same examples each time
+    copy = TASKS["copy"]
+    model = Model(ModelConfig(vocab_size=len(copy.vocab), d_model=16, n_layers=1, n_heads=2, method="nope"))
+    rows = evaluate(model, copy, [1, 3], 8, 0, "cpu")
+    assert [r["length"] for r in rows] == [1, 3] and all(0 <= r["token"] <= 1 for r in rows)
+
+
+def test_schedule_and_curriculum():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
+    assert train.lr_at(100, cfg) == pytest.approx(0.1)
+    assert train.lr_at(55, cfg) == pytest.approx(0.55)
+    lengths = list(range(1, 41))
+    caps = [max(train.curriculum_lengths(s, cfg, lengths)) for s in range(0, 100, 5)]
+    assert caps[0] == 5 and caps == sorted(caps) and caps[-1] == 40 and 10 in caps
+
+
+# ---- training: outputs, resume, NaN -----------------------------------------------------------
+
+def test_train_writes_metrics_and_model(tmp_path):
+    cfg = tiny_config(tmp_path)
+    metrics = train.train(cfg, log=lambda *_: None)
+    out = cfg.run_dir()
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["eval"] == metrics["eval"] and [r["length"] for r in saved["eval"]] == [2, 4]
+    assert saved["config"]["model"]["n_layers"] == 1 and saved["seed"] == 0 and saved["git"]
+    assert len(saved["loss"]) == 20 and saved["loss"][-1][0] == 20
+    state = torch.load(out / "model.pt")
+    model = Model(ModelConfig(**saved["config"]["model"]))
+    model.load_state_dict(state)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_resume_gives_the_same_weights(tmp_path, monkeypatch):
+    full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
+    train.train(full, log=lambda *_: None)
+
+    part = tiny_config(tmp_path / "b", method="ape", ape_shift=8)
+    real, calls = train.sample_mixed, {"n": 0}
+
+    def crash_after_12(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(train, "sample_mixed", crash_after_12)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(part, log=lambda *_: None)
+    monkeypatch.setattr(train, "sample_mixed", real)
+    assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 10
+    train.train(part, resume=True, log=lambda *_: None)
+
+    a = torch.load(full.run_dir() / "model.pt")
+    b = torch.load(part.run_dir() / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    la = json.loads((full.run_dir() / "metrics.json").read_text())["loss"]
+    lb = json.loads((part.run_dir() / "metrics.json").read_text())["loss"]
+    assert la == lb
+
+
+def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch):
+    real, calls = F.cross_entropy, {"n": 0}
+
+    def nan_at_4(*a, **k):
+        calls["n"] += 1
+        loss = real(*a, **k)
+        return loss * float("nan") if calls["n"] == 4 else loss
+    monkeypatch.setattr(train.F, "cross_entropy", nan_at_4)
+    with pytest.raises(train.NaNLoss, match=r"at step 3; last finite loss \d"):
+        train.train(tiny_config(tmp_path), log=lambda *_: None)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "nope", "--method", "rope"], "unknown task 'nope'; valid tasks: flipflop, a5"),
+    (["--task", "copy", "--method", "magic"], "unknown method 'magic'; available methods: nope, ape, rope"),
+    (["--task", "copy", "--method", "path"], "method 'path' is not implemented in this checkout yet; available methods: nope"),
+    (["--task", "copy", "--methods", "rope,path"], "method 'path' is not implemented"),
+    (["--task", "copy", "--method", "rope", "--test-lengths", "0,5"], "test length: task copy: length 0 is impossible"),
+    (["--task", "scan", "--method", "rope", "--train-lengths", "23"], "no SCAN command has 23 actions"),
+    (["--task", "copy", "--method", "rope", "--test-lengths", "a-b"], "cannot read 'a-b'"),
+    (["--task", "mqrar", "--method", "rope", "--task-opt", "nback=2"], "has no option 'nback'"),
+    (["--task", "copy", "--method", "rope", "--n-heads", "3"], "not a multiple of n_heads 3"),
+    (["--reproduce", "nothing"], "unknown experiment 'nothing'"),
+    (["--task", "copy"], "give --task and --method"),
+])
+def test_cli_errors_are_one_line(capsys, tmp_path, args, message):
+    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "runs"), "--device", "cpu")
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cli_gpu_options_on_cpu(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--device", "cuda", "--out", str(tmp_path))
+    assert code == 2 and "no CUDA GPU is available" in err
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--compile", "--out", str(tmp_path))
+    assert code == 2 and "--compile needs a CUDA GPU" in err
+    assert not list(tmp_path.iterdir())
+
+
+CLI_TINY = ["--task", "copy", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--steps", "15",
+            "--batch-size", "8", "--n-eval", "8", "--train-lengths", "1-3", "--test-lengths", "2,5", "--device", "cpu"]
+
+
+def test_cli_runs_methods_and_seeds_and_plots(capsys, tmp_path):
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, *CLI_TINY, "--methods", "nope,alibi", "--seeds", "0,1", "--out", str(out))
+    assert code == 0 and "small CPU preset" in stdout and "| length | exact |" in stdout
+    for m in ("nope", "alibi"):
+        s = json.loads((out / "copy" / m / "metrics.json").read_text())
+        assert s["seeds"] == [0, 1] and [p["length"] for p in s["eval"]] == [2, 5]
+        seeds = [json.loads((out / "copy" / m / f"seed{k}" / "metrics.json").read_text()) for k in (0, 1)]
+        for i, p in enumerate(s["eval"]):
+            ex = [m_["eval"][i]["exact"] for m_ in seeds]
+            assert p["exact"] == pytest.approx(np.mean(ex)) and p["exact_min"] == min(ex) and p["exact_max"] == max(ex)
+        assert (out / "copy" / m / "seed1" / "model.pt").exists()
+    png = out / "copy" / "extrapolation.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_resume_errors(capsys, tmp_path):
+    out = tmp_path / "runs"
+    code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")
+    assert code == 2 and "no checkpoint at" in err
+    assert run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out))[0] == 0
+    ckpt = out / "copy" / "rope" / "seed0" / "checkpoint.pt"
+    code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume", "--d-model", "64")
+    assert code == 2 and "belongs to a different run (model:" in err
+    ckpt.write_bytes(ckpt.read_bytes()[:100])
+    code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")
+    assert code == 2 and "corrupt or unreadable" in err and err.count("\n") == 1
+
+
+def test_reproduce_runs_skips_and_tables(capsys, tmp_path, monkeypatch):
+    exp = train.Experiment(
+        claim="tiny", runs=[dict(task="copy", method=m, steps=10, batch_size=8, d_model=32, n_layers=1,
+                                 n_heads=2, n_eval=8, train_lengths=[1, 2], test_lengths=[2, 4]) for m in ("nope", "rope")],
+        columns=[("len 2", (2, 2), "exact"), ("len 4", (4, 4), "exact")],
+        paper={"rope": ["1.0", "0.5"]}, scaled="tiny")
+    monkeypatch.setitem(train.EXPERIMENTS, "tiny", exp)
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
+    assert code == 0
+    table = (out / "reproduce" / "tiny.md").read_text()
+    s = json.loads((out / "copy" / "rope" / "metrics.json").read_text())
+    assert "| copy/rope | paper | 1.0 | 0.5 |" in table
+    assert f"| copy/rope | this repo | {s['eval'][0]['exact']:.3f}" in table
+    code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
+    assert stdout.count("skip ") == 2
+
+
+def test_registry_covers_the_spec():
+    assert set(BASELINES) <= set(METHODS) <= set(train.ALL_METHODS)
+    for name, exp in train.EXPERIMENTS.items():
+        for run in exp.runs:
+            train.validate(make_config({**run, "device": "cpu"}, "gpu"))

@@ -739,7 +739,10 @@ def plot_task(task_dir: Path) -> Path | None:
     if not summaries:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    if len(summaries) > 10:  # the default cycle repeats after 10 colours
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     task = summaries[0]["task"]
+    title = f"{task}: length extrapolation"
     if summaries[0]["eval"][0]["variant"]:  # flip-flop: error % per evaluation setting
         names = [p["name"] for p in summaries[0]["eval"]]
         width = 0.8 / len(summaries)
@@ -753,6 +756,8 @@ def plot_task(task_dir: Path) -> Path | None:
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
         ax.set_ylabel("error % at read bits (lower is better)")
         ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_ylim(0, 100)
+        title = f"{task}: error by evaluation setting"
     else:
         for s in summaries:
             xs = [p["length"] for p in s["eval"]]
@@ -763,7 +768,7 @@ def plot_task(task_dir: Path) -> Path | None:
         ax.set_xlabel("problem length")
         ax.set_ylabel("exact-match accuracy")
         ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{task}: length extrapolation")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = task_dir / "extrapolation.png"

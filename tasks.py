@@ -39,7 +39,8 @@ class Batch:
 
 
 class Task:
-    """Base class. A subclass sets the class attributes and implements `_sample`."""
+    """Base class. A subclass sets the class attributes and implements
+    `_sample(n, length, rng, **options)`; its keyword arguments are the task's options."""
 
     name: str = ""
     vocab: list[str] = []
@@ -85,9 +86,6 @@ class Task:
         return [self.stoi[t] for t in tokens]
 
     # ---- helpers for subclasses ---------------------------------------------------------------
-    def _sample(self, n, length, rng, **opts) -> Batch:  # pragma: no cover - abstract
-        raise NotImplementedError
-
     def lm_batch(self, seqs: list[list[str]], n_prompt: list[int], length) -> Batch:
         """Language-model batch from token-string sequences: x = seq[:-1], y = seq[1:], and only
         the tokens after the first n_prompt ones are supervised (the answer, never the prompt)."""
@@ -300,13 +298,11 @@ class MQRAR(Task):
 # =============================================================================================
 
 class _DigitsTask(Task):
-    """Base of copy / reverse / odds_first: `digits = f(digits) <eos>`, answer supervised."""
+    """Base of copy / reverse / odds_first: `digits = f(digits) <eos>`, answer supervised.
+    A subclass implements answer(ids: (n, L)) -> (n, L)."""
     vocab = ["<pad>"] + DIGITS + ["=", "<eos>"]
     train_lengths = list(range(1, 11))
     test_lengths = list(range(1, 101))
-
-    def answer(self, digits: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     def build(self, digits: np.ndarray) -> Batch:
         """digits: (n, L) values 0..9."""
@@ -690,14 +686,12 @@ class ScanCoT(Scan):
 # =============================================================================================
 
 class _Iterative(Task):
-    """Base: `<bos> x_1..x_L <eoi> y_1..y_L <eos>`, supervised on y and <eos>."""
+    """Base: `<bos> x_1..x_L <eoi> y_1..y_L <eos>`, supervised on y and <eos>. A subclass
+    implements step(s, x) -> next state (numpy, elementwise)."""
     vocab = ["<pad>", "<bos>", "<eoi>", "<eos>", "0", "1", "2", "3", "4"]
     train_lengths = list(range(1, 17))
     test_lengths = list(range(1, 49))
     low, high = 0, 2  # x is uniform in [low, high)
-
-    def step(self, s: np.ndarray, x: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     def build(self, xs: np.ndarray) -> Batch:
         """xs: (n, L) input values -> y_1 = x_1, y_t = step(y_{t-1}, x_t)."""

@@ -817,7 +817,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         runs=_vipe_poly_runs(),
         columns=[("1-16", (1, 16), "exact"), ("17-24", (17, 24), "exact"), ("25-32", (25, 32), "exact"),
                  ("33-48", (33, 48), "exact")],
-        paper={"ape-L2": ["high", "collapse", "collapse", "collapse"]},
+        paper={f"{m}-L{n}": ["≥ 0.85 (selection rule)", "collapses", "collapses", "collapses"]
+               for m in ("ape", "nope", "rope", "alibi", "t5", "fire") for n in (2, 3)},
         scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps); "
                "best of 3 seeds with in-distribution accuracy >= 0.85 (the paper: best of 8)",
         seeds=[0, 1, 2]),

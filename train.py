@@ -495,10 +495,13 @@ def git_hash() -> str:
 
 
 def save_atomic(obj, path: Path):
-    """torch.save / json to a temporary file, then rename: a crash never leaves half a file."""
+    """Write to a temporary file, then rename: a crash never leaves half a file. Strings are
+    written as text, dicts to .json as JSON, anything else with torch.save."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".json":
+    if isinstance(obj, str):
+        tmp.write_text(obj)
+    elif path.suffix == ".json":
         tmp.write_text(json.dumps(obj, indent=1))
     else:
         torch.save(obj, tmp)
@@ -543,8 +546,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     """Train one model, evaluate it, write metrics.json and model.pt; return the metrics."""
     task = validate(cfg)
     device = resolve_device(cfg.device)
-    ckpt = load_checkpoint(cfg) if resume else None
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
+    ckpt = load_checkpoint(cfg) if resume else None
     train_lengths = cfg.train_lengths or task.train_lengths
     test_lengths = cfg.test_lengths or task.test_lengths
 
@@ -1030,16 +1033,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)
-        save_atomic_text(table, out / "reproduce" / f"{name}.md")
+        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
         print(table)
     return 0
-
-
-def save_atomic_text(text: str, path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -282,6 +282,18 @@ def test_cli_runs_methods_and_seeds_and_plots(capsys, tmp_path):
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_resume_continues_a_run(capsys, tmp_path):
+    out = tmp_path / "runs"
+    assert run_cli(capsys, *CLI_TINY, "--method", "t5", "--out", str(out))[0] == 0
+    before = torch.load(out / "copy" / "t5" / "seed0" / "model.pt")
+    code, stdout, err = run_cli(capsys, *CLI_TINY, "--method", "t5", "--out", str(out), "--resume", "--steps", "25")
+    assert code == 0 and "resumed" in stdout and "at step 15" in stdout, err
+    saved = json.loads((out / "copy" / "t5" / "seed0" / "metrics.json").read_text())
+    assert saved["loss"][-1][0] == 25 and [s for s, _ in saved["loss"]] == list(range(1, 26))
+    after = torch.load(out / "copy" / "t5" / "seed0" / "model.pt")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_cli_resume_errors(capsys, tmp_path):
     out = tmp_path / "runs"
     code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")

@@ -1,0 +1,309 @@
+"""PaTH attention: position encoding by accumulated, data-dependent Householder transforms.
+
+Paper: "PaTH Attention: Position Encoding via Accumulating Householder Transformations"
+(Yang et al., 2025), sections 2-3. Also here: the Forgetting Transformer's gate (FoX, Lin et al.
+2025) as a baseline and combined with PaTH (PaTH-FoX).
+
+The logit between query i and key j <= i is
+
+    s_ij = scale * q_i^T H_i H_{i-1} ... H_{j+1} k_j  +  G_i - G_j,     H_t = I - beta_t w_t w_t^T
+
+with w_t a unit vector and beta_t in (0, 2) computed from token t, and G_t = sum_{s<=t} g_s the
+cumulative log forget gate (g = 0 for plain PaTH; FoX is the same with every H = I). Attention
+is softmax over j <= i. The product of the H's between two positions is not a function of
+their distance but of the tokens in between, so the model can track state (e.g. flip-flop).
+
+Products of Householder-like matrices have a compact "UT" form (section 3.1): for one block of
+L transforms,
+
+    H_{L-1} ... H_1 H_0 = I - W^T A W,    A = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta)
+
+(W: the L vectors as rows; the latest H is leftmost; A is lower triangular). Any sub-interval of
+the block uses the matching sub-block of A, which gives, inside one block,
+
+    S_blk = Q K^T - tril(Q W^T) A strictTril(W K^T).
+
+Across blocks (section 3.3) each query is first carried to the start of its block and each key
+to the end of its block ("boundary-adjusted"):
+
+    Q^ = Q - tril(Q W^T) A W,        K^ = K - (A strictTril(W K^T))^T W,
+
+and a query block then visits the key blocks right to left, scoring them with its current
+query state and then carrying the state through the block's product P_m = I - W_m^T U_m
+(U = A W):  Q~ <- Q~ - (Q~ W_m^T) U_m. `path_attention_torch` is this algorithm in PyTorch; the
+Triton kernel (kernels/path_attention.py) runs it with an online softmax, one program per query
+block, and has its own backward.
+
+Usage:
+
+    from path_attention import path_attention, PathAttention
+    o = path_attention(q, k, v, w, beta, g=None)        # q, k, w: (B, H, T, D); beta, g: (B, H, T)
+    layer = PathAttention(cfg, forget_gate=True)       # PaTH-FoX layer, cfg: train.ModelConfig
+
+Shapes: B batch, H heads, T time, D head dim (q, k, w), Dv value head dim, C block length,
+n = T / C blocks, d_model = H * D.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
+
+
+def _defaults(q, beta, g, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f = torch.promote_types(q.dtype, torch.float32)              # float64 stays float64
+    G = None if g is None else g.to(f).cumsum(-1)                # (B, H, T) cumulative log gate
+    return scale, G
+
+
+# =============================================================================================
+# Naive reference: one reflection at a time
+# =============================================================================================
+
+def path_attention_naive(q, k, v, w, beta, g=None, scale=None):
+    """The definition, read literally. q, k, w: (B, H, T, D); v: (B, H, T, Dv); beta, g: (B, H, T).
+
+    Every query i is carried leftwards one token at a time: at distance d it scores key i - d,
+    then is reflected by H_{i-d}. All queries move together (vectorised over i), so the loop runs
+    T times and builds the (T, T) logits explicitly."""
+    scale, G = _defaults(q, beta, g, scale)
+    B, H, T, D = q.shape
+    f = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, w, beta = q.to(f), k.to(f), v.to(f), w.to(f), beta.to(f)
+    logits = q.new_full((B, H, T, T), -math.inf)
+    qt = q                                                       # (B, H, T, D): q_i H_i ... H_{i-d+1}
+    for d in range(T):
+        i = torch.arange(d, T, device=q.device)                 # queries that reach key i - d
+        logits[:, :, i, i - d] = scale * (qt[:, :, d:] * k[:, :, : T - d]).sum(-1)
+        wd, bd = w[:, :, : T - d], beta[:, :, : T - d, None]    # the reflection at key i - d
+        qt = qt[:, :, d:] - bd * (qt[:, :, d:] * wd).sum(-1, keepdim=True) * wd
+        qt = torch.cat([q[:, :, :d], qt], dim=2)                # rows < d are finished, keep shape
+    if G is not None:
+        logits = logits + (G[..., :, None] - G[..., None, :]).to(f)
+    return (logits.softmax(-1) @ v).to(v.dtype)
+
+
+# =============================================================================================
+# The UT transform, blockwise (shared by the PyTorch path and the Triton kernel)
+# =============================================================================================
+
+def ut_blocks(q, k, w, beta, scale, C):
+    """Per block of C tokens: the UT factors and the boundary-adjusted queries and keys.
+
+    q, k, w: (B, H, T, D) with T a multiple of C; beta: (B, H, T). Returns, in float32 (float64
+    for float64 input):
+      qh: (B, H, T, D)  queries carried to the start of their block, q_i^T H_i ... H_{block start}
+      kh: (B, H, T, D)  keys carried to the end of their block, H_{block end - 1} ... H_{j+1} k_j
+      wb: (B, H, T, D)  w and u = A W: (B, H, T, D), the block product P = I - W^T U
+      sd: (B, H, T, C)  scaled logits inside each block (only j <= i is meaningful)"""
+    B, H, T, D = q.shape
+    n = T // C
+    f = torch.promote_types(q.dtype, torch.float32)
+    qb, kb, wb = (x.to(f).reshape(B, H, n, C, D) for x in (q, k, w))      # (B, H, n, C, D)
+    bb = beta.to(f).reshape(B, H, n, C)                                    # (B, H, n, C)
+    eye = torch.eye(C, device=q.device, dtype=f)
+    Tm = eye + (bb[..., :, None] * (wb @ wb.mT)).tril(-1)                  # (B, H, n, C, C)
+    A = torch.linalg.solve_triangular(Tm, torch.diag_embed(bb), upper=False, unitriangular=True)
+    u = A @ wb                                                             # (B, H, n, C, D)
+    QW = (qb @ wb.mT).tril()                                               # q_i . w_a, a <= i
+    F_ = A @ (wb @ kb.mT).tril(-1)                                         # A (w_b . k_j, b > j)
+    qh = qb - QW @ u
+    kh = kb - F_.mT @ wb
+    sd = scale * (qb @ kb.mT - QW @ F_)                                    # (B, H, n, C, C)
+    flat = lambda x: x.reshape(B, H, T, x.shape[-1])  # noqa: E731
+    return flat(qh), flat(kh), flat(wb), flat(u), flat(sd)
+
+
+def _pad_time(C, *xs):
+    """Zero-pad the time axis (dim 2) to a multiple of C. A zero w with beta = 0 is H = I, and
+    padded keys come after every real query, so padding changes no real output."""
+    T = xs[0].shape[2]
+    pad = -T % C
+    if pad == 0:
+        return xs
+    return tuple(None if x is None else F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad)) for x in xs)
+
+
+def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 16):
+    """The blockwise algorithm of the Triton kernel in plain PyTorch (autograd for the backward).
+    Builds the (T, T) logits, so it is for CPU-sized problems; same contract as the naive one."""
+    scale, G = _defaults(q, beta, g, scale)
+    B, H, T, D = q.shape
+    q, k, v, w, beta = _pad_time(block, q, k, v, w, beta)
+    Tp, C = q.shape[2], block
+    n = Tp // C
+    qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, C)
+    split = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731  (B, H, n, C, .)
+    qh, kh, wb, u, sd = map(split, (qh, kh, wb, u, sd))
+    idx = torch.arange(n, device=q.device)
+    rows, cols, vals = [idx], [idx], [sd]                     # block pairs (i, m) and their logits
+    qt = qh                                                   # query states of blocks d..n-1
+    for d in range(1, n):
+        qt = qt[:, :, 1:]                                     # blocks i = d..n-1 score key block i-d
+        km, wm, um = kh[:, :, : n - d], wb[:, :, : n - d], u[:, :, : n - d]
+        vals.append(scale * qt @ km.mT)                       # (B, H, n-d, C, C)
+        rows.append(idx[d:]), cols.append(idx[: n - d])
+        qt = qt - (qt @ wm.mT) @ um                           # carry through P_{i-d}
+    full = qh.new_zeros(B, H, n, n, C, C)                    # (B, H, query block, key block, C, C)
+    full[:, :, torch.cat(rows), torch.cat(cols)] = torch.cat(vals, dim=2)
+    logits = full.permute(0, 1, 2, 4, 3, 5).reshape(B, H, Tp, Tp)[:, :, :T, :T]
+    if G is not None:
+        logits = logits + G[..., :, None] - G[..., None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    logits = logits.masked_fill(~causal, -math.inf)
+    return (logits.softmax(-1) @ v[:, :, :T].to(logits.dtype)).to(v.dtype)
+
+
+# =============================================================================================
+# Fast path
+# =============================================================================================
+
+@functools.cache
+def _warn_once(msg):
+    warnings.warn(msg, stacklevel=3)
+
+
+def _triton_ok():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def path_attention(q, k, v, w, beta, g=None, scale=None):
+    """PaTH attention (causal), same contract as `path_attention_naive`. Triton on CUDA, the
+    blockwise PyTorch path on CPU; `BACKEND` forces one."""
+    backend = BACKEND
+    if backend is None:
+        if q.is_cuda and _triton_ok() and q.shape[-1] in (16, 32, 64, 128):
+            backend = "triton"
+        else:
+            if q.is_cuda:
+                _warn_once(f"path_attention: no Triton kernel for this input (head dim {q.shape[-1]}, "
+                           f"triton installed: {_triton_ok()}); using the slower PyTorch path")
+            backend = "torch"
+    if backend == "naive":
+        return path_attention_naive(q, k, v, w, beta, g, scale)
+    if backend == "torch":
+        return path_attention_torch(q, k, v, w, beta, g, scale)
+    if backend == "triton":
+        from kernels.path_attention import path_attention_triton
+        return path_attention_triton(q, k, v, w, beta, g, scale)
+    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
+
+
+# =============================================================================================
+# Decoding: one token at a time with a key cache carried forward in place
+# =============================================================================================
+
+def path_decode_step(cache: dict, q, k, v, w, beta, g=None, scale=None):
+    """One decoding step. q, k, w: (B, H, D); v: (B, H, Dv); beta, g: (B, H). `cache` (start with
+    {}) holds the keys carried to the current position, the values and the gate cumsum.
+
+    Token t first reflects every cached key, k_j <- (I - beta_t w_t w_t^T) k_j, so the cache
+    always holds H_t ... H_{j+1} k_j, then appends its own key and attends."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if "k" in cache:
+        K = cache["k"]                                                    # (B, H, t, D)
+        K -= beta[..., None, None] * (K @ w[..., :, None]) * w[..., None, :]  # in place
+        cache["k"] = torch.cat([K, k[:, :, None]], dim=2)
+        cache["v"] = torch.cat([cache["v"], v[:, :, None]], dim=2)
+    else:
+        cache["k"], cache["v"] = k[:, :, None].clone(), v[:, :, None].clone()
+    logits = scale * (cache["k"] @ q[..., :, None])[..., 0]                # (B, H, t + 1)
+    if g is not None:
+        G = cache.get("G_last", torch.zeros_like(g)) + g                  # G_t
+        cache["G"] = torch.cat([cache["G"], G[..., None]], -1) if "G" in cache else G[..., None]
+        cache["G_last"] = G
+        logits = logits + G[..., None] - cache["G"]
+    return (logits.softmax(-1)[..., None, :] @ cache["v"])[..., 0, :]     # (B, H, Dv)
+
+
+# =============================================================================================
+# Layers
+# =============================================================================================
+
+class PathAttention(nn.Module):
+    """Causal multi-head PaTH attention (no RoPE). w_t: a rank-32 projection of x_t, a causal
+    depthwise convolution of width 3, then unit length per head; beta_t = 2 sigmoid(linear(x_t));
+    with forget_gate=True (PaTH-FoX) also g_t = logsigmoid(linear(x_t)) per head."""
+
+    def __init__(self, cfg, forget_gate: bool = False, rank: int = 32, conv: int = 3):
+        super().__init__()
+        if not cfg.causal:
+            raise ValueError("PaTH attention is causal; this task needs a bidirectional model")
+        C, H = cfg.d_model, cfg.n_heads
+        self.H, self.D, self.conv_width = H, C // H, conv
+        self.qkv = nn.Linear(C, 3 * C, bias=False)
+        self.out = nn.Linear(C, C, bias=False)
+        self.w_proj = nn.Sequential(nn.Linear(C, rank, bias=False), nn.Linear(rank, C, bias=False))
+        self.w_conv = nn.Conv1d(C, C, conv, groups=C, padding=conv - 1)   # causal after cropping
+        self.beta = nn.Linear(C, H)
+        self.gate = nn.Linear(C, H) if forget_gate else None
+
+    def gates(self, x):
+        """x: (B, T, d_model) -> w (B, H, T, D) float32 unit vectors, beta, g: (B, H, T)."""
+        B, T, _ = x.shape
+        w = self.w_conv(self.w_proj(x).transpose(1, 2))[..., :T]          # (B, d_model, T)
+        w = F.normalize(w.float().view(B, self.H, self.D, T).transpose(2, 3), dim=-1)
+        beta = 2 * torch.sigmoid(self.beta(x).float()).transpose(1, 2)    # (B, H, T)
+        g = None if self.gate is None else F.logsigmoid(self.gate(x).float()).transpose(1, 2)
+        return w, beta, g
+
+    def forward(self, x, ctx=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        w, beta, g = self.gates(x)
+        o = path_attention(q, k, v, w, beta, g)
+        return self.out(o.transpose(1, 2).reshape(B, T, C))
+
+    def step(self, x, cache: dict):
+        """Decode one token. x: (B, d_model); cache: {} at the start, updated in place."""
+        B, C = x.shape
+        hist = torch.cat([cache["x"], x[:, None]], 1) if "x" in cache else x[:, None]
+        cache["x"] = hist[:, -self.conv_width:]                          # inputs the conv still needs
+        w, beta, g = self.gates(cache["x"])
+        q, k, v = self.qkv(x).view(B, 3, self.H, self.D).unbind(1)        # 3 x (B, H, D)
+        o = path_decode_step(cache.setdefault("attn", {}), q, k, v, w[:, :, -1], beta[:, :, -1],
+                             None if g is None else g[:, :, -1])
+        return self.out(o.reshape(B, C))
+
+
+class FoxAttention(nn.Module):
+    """The Forgetting Transformer's attention (the FoX baseline): softmax attention whose logits
+    get G_i - G_j, G the cumsum of g_t = logsigmoid(linear(x_t)) per head. No position encoding."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if not cfg.causal:
+            raise ValueError("FoX attention is causal; this task needs a bidirectional model")
+        C, H = cfg.d_model, cfg.n_heads
+        self.H, self.D = H, C // H
+        self.qkv = nn.Linear(C, 3 * C, bias=False)
+        self.out = nn.Linear(C, C, bias=False)
+        self.gate = nn.Linear(C, H)
+
+    def forward(self, x, ctx=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        G = F.logsigmoid(self.gate(x).float()).transpose(1, 2).cumsum(-1)          # (B, H, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        bias = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, -math.inf)  # (B, H, T, T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+        return self.out(o.transpose(1, 2).reshape(B, T, C))
+
+
+METHODS = {
+    "path": {"attention": PathAttention},
+    "path-fox": {"attention": functools.partial(PathAttention, forget_gate=True)},
+    "fox": {"attention": FoxAttention},
+}

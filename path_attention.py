@@ -132,7 +132,7 @@ def _pad_time(C, *xs):
     return tuple(None if x is None else F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad)) for x in xs)
 
 
-def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 16):
+def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     """The blockwise algorithm of the Triton kernel in plain PyTorch (autograd for the backward).
     Builds the (T, T) logits, so it is for CPU-sized problems; same contract as the naive one."""
     scale, G = _defaults(q, beta, g, scale)
@@ -246,17 +246,18 @@ class PathAttention(nn.Module):
         self.qkv = nn.Linear(C, 3 * C, bias=False)
         self.out = nn.Linear(C, C, bias=False)
         self.w_proj = nn.Sequential(nn.Linear(C, rank, bias=False), nn.Linear(rank, C, bias=False))
-        self.w_conv = nn.Conv1d(C, C, conv, groups=C, padding=conv - 1)   # causal after cropping
+        self.w_conv = nn.Conv1d(C, C, conv, groups=C, padding=conv - 1, bias=False)  # causal after cropping
         self.beta = nn.Linear(C, H)
         self.gate = nn.Linear(C, H) if forget_gate else None
 
     def gates(self, x):
         """x: (B, T, d_model) -> w (B, H, T, D) float32 unit vectors, beta, g: (B, H, T)."""
         B, T, _ = x.shape
+        f = torch.promote_types(x.dtype, torch.float32)                   # at least float32
         w = self.w_conv(self.w_proj(x).transpose(1, 2))[..., :T]          # (B, d_model, T)
-        w = F.normalize(w.float().view(B, self.H, self.D, T).transpose(2, 3), dim=-1)
-        beta = 2 * torch.sigmoid(self.beta(x).float()).transpose(1, 2)    # (B, H, T)
-        g = None if self.gate is None else F.logsigmoid(self.gate(x).float()).transpose(1, 2)
+        w = F.normalize(w.to(f).view(B, self.H, self.D, T).transpose(2, 3), dim=-1)
+        beta = 2 * torch.sigmoid(self.beta(x).to(f)).transpose(1, 2)      # (B, H, T)
+        g = None if self.gate is None else F.logsigmoid(self.gate(x).to(f)).transpose(1, 2)
         return w, beta, g
 
     def forward(self, x, ctx=None):
@@ -295,7 +296,8 @@ class FoxAttention(nn.Module):
     def forward(self, x, ctx=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        G = F.logsigmoid(self.gate(x).float()).transpose(1, 2).cumsum(-1)          # (B, H, T)
+        f = torch.promote_types(x.dtype, torch.float32)
+        G = F.logsigmoid(self.gate(x).to(f)).transpose(1, 2).cumsum(-1)            # (B, H, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         bias = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, -math.inf)  # (B, H, T, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
@@ -303,7 +305,7 @@ class FoxAttention(nn.Module):
 
 
 METHODS = {
-    "path": {"attention": PathAttention},
-    "path-fox": {"attention": functools.partial(PathAttention, forget_gate=True)},
-    "fox": {"attention": FoxAttention},
+    "path": {"attention": PathAttention, "causal_only": True},
+    "path-fox": {"attention": functools.partial(PathAttention, forget_gate=True), "causal_only": True},
+    "fox": {"attention": FoxAttention, "causal_only": True},
 }

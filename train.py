@@ -212,6 +212,7 @@ class Method:
     attention: type                # layer class: __init__(cfg), forward(x, ctx)
     hooks: type | None = None      # optional module with embed(h, ctx) and before_block(i, h, ctx)
     param_groups: object = None    # optional fn(model, base_lr) -> list of extra optimiser groups
+    causal_only: bool = False      # the layer cannot run as a bidirectional encoder
 
 
 def _baseline(encoding):
@@ -469,6 +470,8 @@ def validate(cfg: TrainConfig) -> Task:
         task.check_opts(cfg.task_opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if METHODS[cfg.method].causal_only and not task.causal:
+        raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
         raise UsageError(f"d_model {cfg.model.d_model} is not a multiple of n_heads {cfg.model.n_heads}")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.n_eval < 1:
@@ -794,6 +797,8 @@ class Experiment:
     paper: dict                  # run label -> the paper's number per column (strings)
     scaled: str                  # what was scaled down from the paper to fit minutes
     seeds: list = field(default_factory=lambda: [0])
+    sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
+                                 # each run's tag (e.g. L2 -> 2), one line per method
 
 
 def _vipe_poly_runs():
@@ -808,12 +813,31 @@ def _vipe_poly_runs():
 EXPERIMENTS: dict[str, Experiment] = {
     "path-flipflop": Experiment(
         claim="Flip-flop LM, 1 layer, 2 heads, d=64: error % ID / sparse / dense",
-        runs=[dict(task="flipflop", method="rope")],
+        runs=[dict(task="flipflop", method=m) for m in ("rope", "fox", "path")],
         columns=[("ID err %", "ID", "error"), ("sparse err %", "sparse", "error"), ("dense err %", "dense", "error")],
         paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
         scaled="15k steps x 64 sequences (the paper does not state its budget); 256 eval sequences per setting, "
                "so the smallest measurable non-zero error is ~0.03 %",
         seeds=[0, 1, 2]),
+    "path-a5": Experiment(
+        claim="A5 word problem, sequences of 20: PaTH needs fewer layers than RoPE to solve it "
+              "(solved = accuracy above 90 %; the paper: PaTH 2 layers, the others 4)",
+        runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=3000)
+              for n in (1, 2, 3, 4) for m in ("rope", "path")],
+        columns=[("length 20 token acc", (20, 20), "token"), ("length 20 exact", (20, 20), "exact"),
+                 ("length 40 token acc", (40, 40), "token")],
+        paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
+        scaled="3k steps x 128 sequences of length 20, d=256, 4 heads, one seed per depth",
+        sweep=("layers", 0)),
+    "path-mqrar": Experiment(
+        claim="Multi-query repeated associative recall with N-back (MQRAR-N), 2 layers, d=256, 2 heads: "
+              "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
+        runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=2000)
+              for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
+        columns=[("token acc", (384, 384), "token")],
+        paper={},
+        scaled="2k steps x 64 sequences of 384 assignments, one seed per setting (the paper trains to convergence)",
+        sweep=("N (n-back)", 0)),
     "vipe-poly": Experiment(
         claim="Train L=1..16, test 17..48, 1 head, d=128, 2 and 3 layers: ViPE keeps high accuracy to about "
               "2x the training length while the other encodings collapse (paper Fig. 6 and 12)",
@@ -877,19 +901,64 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
     return "\n".join(lines)
 
 
-def column_value(summary: dict, selector, metric: str) -> str:
-    """Mean over seeds (min-max) of one column; flip-flop errors as percent."""
+def column_numbers(summary: dict, selector, metric: str):
+    """(mean, lo, hi) over seeds of one column, or None; flip-flop errors in percent."""
     if isinstance(selector, str):
         pts = [p for p in summary["eval"] if p["name"] == selector]
     else:
         pts = [p for p in summary["eval"] if selector[0] <= p["length"] <= selector[1]]
     if not pts:
-        return "-"
+        return None
     if metric == "error":
         f = lambda key: 100 * (1 - np.mean([p[key] for p in pts]))  # noqa: E731
-        return f"{f('token'):.2f} ({f('token_max'):.2f}-{f('token_min'):.2f})"
-    f = lambda key: np.mean([p[key] for p in pts])  # noqa: E731
-    return f"{f(metric):.3f} ({f(metric + '_min'):.2f}-{f(metric + '_max'):.2f})"
+        return f("token"), f("token_max"), f("token_min")
+    f = lambda key: float(np.mean([p[key] for p in pts]))  # noqa: E731
+    return f(metric), f(metric + "_min"), f(metric + "_max")
+
+
+def column_value(summary: dict, selector, metric: str) -> str:
+    """Mean over seeds (min-max) of one column, as text."""
+    nums = column_numbers(summary, selector, metric)
+    if nums is None:
+        return "-"
+    return f"{nums[0]:.2f} ({nums[1]:.2f}-{nums[2]:.2f})" if metric == "error" else \
+        f"{nums[0]:.3f} ({nums[1]:.2f}-{nums[2]:.2f})"
+
+
+def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
+    """One column of an experiment against the number in each run's tag, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xlabel, col = exp.sweep
+    label, selector, metric = exp.columns[col]
+    lines: dict[str, list] = {}
+    for run in exp.runs:
+        path = out / run["task"] / f"{run['method']}-{run['tag']}" / "metrics.json"
+        nums = column_numbers(json.loads(path.read_text()), selector, metric) if path.exists() else None
+        if nums is not None:
+            lines.setdefault(run["method"], []).append((int("".join(filter(str.isdigit, run["tag"]))), *nums))
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method, pts in lines.items():
+        pts.sort()
+        x, y, lo, hi = zip(*pts)
+        ax.plot(x, y, marker="o", label=method)
+        ax.fill_between(x, lo, hi, alpha=0.15)
+    ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(label)
+    ax.set_title(f"{name} ({exp.runs[0]['task']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / "reproduce" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 # =============================================================================================
@@ -1034,6 +1103,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)
         save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
+        if EXPERIMENTS[name].sweep:
+            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
         print(table)
     return 0
 

@@ -1,0 +1,172 @@
+"""Speed and memory of the fast paths against PyTorch SDPA (no position encoding), on one GPU.
+
+    python kernels/bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
+    python kernels/bench.py --op path --lengths 512,1024,2048
+
+For each sequence length T: milliseconds (triton.testing.do_bench, median) of the forward and of
+forward + backward, the ratio to SDPA from the same run, the peak memory of one forward + backward,
+and TFLOP/s counted with the FLOPs of plain causal attention for every column, so the numbers
+compare time on the same work:
+
+    forward  = 2 matmuls (Q K^T, P V) x 2 FLOPs per multiply-add x B H T^2 D / 2 (causal half)
+             = 2 B H T^2 D
+    backward = 2.5 x forward (5 matmuls: S and dP recomputed, dV, dQ, dK)
+
+Shapes: B batch, H heads, T time, D head dim.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, also when run as a script
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def attention_flops(B, H, T, D, causal=True, backward=False):
+    fwd = 4 * B * H * T * T * D / (2 if causal else 1)
+    return fwd * (3.5 if backward else 1.0)
+
+
+def measure(fn, backward: bool):
+    """(milliseconds, peak GiB) of fn() and, if backward, of its backward with a fixed gradient."""
+    import triton.testing
+
+    out = fn()
+    do = torch.randn_like(out)
+    inputs = [x for x in fn.inputs if x.requires_grad]
+
+    def step():
+        o = fn()
+        if backward:
+            torch.autograd.grad(o, inputs, do)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    ms = triton.testing.do_bench(step, warmup=5, rep=40)
+    return ms, peak
+
+
+def path_cases(B, H, T, D, dtype):
+    """The callables compared for PaTH at one shape; each carries its .inputs."""
+    import path_attention as pa
+    from kernels.path_attention import path_attention_triton
+
+    dev = "cuda"
+    q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    w = F.normalize(torch.randn(B, H, T, D, device=dev), dim=-1).requires_grad_(True)
+    beta = (2 * torch.rand(B, H, T, device=dev)).requires_grad_(True)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def triton_path():
+        return path_attention_triton(q, k, v, w, beta)
+
+    def torch_path():
+        return pa.path_attention_torch(q, k, v, w, beta, block=64)
+
+    sdpa.inputs = [q, k, v]
+    triton_path.inputs = torch_path.inputs = [q, k, v, w, beta]
+    cases = {"SDPA (no PE)": sdpa, "PaTH Triton": triton_path}
+    if T <= 2048:  # the PyTorch path builds (T, T) logits; beyond this it only measures memory limits
+        cases["PaTH PyTorch (UT)"] = torch_path
+    return cases
+
+
+OPS = {
+    "path": dict(cases=path_cases, lengths=[512, 1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True,
+                 fast="PaTH Triton"),
+}
+
+
+def run_op(name, spec, lengths, dtype, out_dir: Path):
+    B, H, D = spec["B"], spec["H"], spec["D"]
+    rows = []
+    for T in lengths:
+        for label, fn in spec["cases"](B, H, T, D, dtype).items():
+            row = dict(T=T, impl=label)
+            for mode, bwd in (("fwd", False), ("fwd+bwd", True)):
+                try:
+                    ms, peak = measure(fn, bwd)
+                except torch.cuda.OutOfMemoryError:
+                    ms, peak = float("nan"), float("nan")
+                    torch.cuda.empty_cache()
+                row[mode] = ms
+                row[mode + " GiB"] = peak
+                row[mode + " TFLOP/s"] = attention_flops(B, H, T, D, spec["causal"], bwd) / ms / 1e9
+            rows.append(row)
+            print(f"{name} T={T:5d} {label:20s} fwd {row['fwd']:8.3f} ms   fwd+bwd {row['fwd+bwd']:8.3f} ms"
+                  f"   peak {row['fwd+bwd GiB']:6.2f} GiB", flush=True)
+    gpu = torch.cuda.get_device_name()
+    lines = [f"# {name}: {gpu}, {str(dtype).replace('torch.', '')}, B={B} H={H} D={D}, "
+             f"torch {torch.__version__}", "",
+             "| T | implementation | fwd ms | fwd+bwd ms | fwd+bwd / SDPA | TFLOP/s fwd+bwd | peak GiB fwd+bwd |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        base = next(r for r in rows if r["T"] == row["T"] and r["impl"].startswith("SDPA"))
+        ratio = row["fwd+bwd"] / base["fwd+bwd"]
+        lines.append(f"| {row['T']} | {row['impl']} | {row['fwd']:.3f} | {row['fwd+bwd']:.3f} | {ratio:.2f}x | "
+                     f"{row['fwd+bwd TFLOP/s']:.1f} | {row['fwd+bwd GiB']:.2f} |")
+    table = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.md").write_text(table)
+    plot(name, rows, gpu, out_dir / f"{name}.png")
+    print(table)
+    return table
+
+
+def plot(name, rows, gpu, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = [(r["T"], r[mode]) for r in rows if r["impl"] == impl]
+            ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{name} {mode}")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(gpu)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--op", default="all", help=f"one of {', '.join(OPS)} or all")
+    parser.add_argument("--lengths", default=None, help="comma-separated T values (default: per op)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--out", default="runs/bench")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels/bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
+        return 2
+    names = list(OPS) if args.op == "all" else [args.op]
+    for name in names:
+        if name not in OPS:
+            print(f"unknown op {name!r}; available: {', '.join(OPS)}, all", file=sys.stderr)
+            return 2
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+    for name in names:
+        run_op(name, OPS[name], lengths or OPS[name]["lengths"], getattr(torch, args.dtype), Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

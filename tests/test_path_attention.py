@@ -1,0 +1,259 @@
+"""PaTH attention: the naive reference against explicit matrix products, the blockwise UT path and
+the Triton kernel against the naive reference (forward and every gradient), decoding, and the
+reductions to softmax attention and to FoX.
+
+Tolerances: float64 paths agree to rounding (1e-9). float32 kernels are compared with the float64
+reference; their error is float32 rounding summed over the blocks a query crosses (~1e-6 seen,
+1e-4 allowed). fp16 inputs are rounded to 11 bits before the reference sees them, and the kernel
+rounds the carried keys and probabilities to fp16 for the tensor-core products: errors ~3e-3 seen,
+2e-2 allowed (relative to the largest reference value, at least 1). bf16 (GPU only) has 8 bits:
+6e-2 allowed."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import path_attention as pa
+from path_attention import (FoxAttention, PathAttention, path_attention, path_attention_naive,
+                            path_attention_torch, path_decode_step)
+from train import ModelConfig
+
+triton = pytest.importorskip("triton")
+from kernels.path_attention import path_attention_triton  # noqa: E402
+
+GPU = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+NAMES = ["q", "k", "v", "w", "beta", "g"]
+
+
+def make_inputs(B, H, T, D, gate=True, dtype=torch.float64, device="cpu", seed=0, beta_scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, B, H, T, D, generator=gen, dtype=torch.float64)
+    w = F.normalize(torch.randn(B, H, T, D, generator=gen, dtype=torch.float64), dim=-1)
+    beta = beta_scale * torch.rand(B, H, T, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(B, H, T, generator=gen, dtype=torch.float64) + 2) if gate else None
+    lowp = lambda x: x.to(dtype).to(device)  # noqa: E731  q, k, v in the input dtype
+    full = lambda x: x.to(torch.float32 if dtype != torch.float64 else dtype).to(device)  # noqa: E731
+    xs = [lowp(q), lowp(k), lowp(v), full(w), full(beta), None if g is None else full(g)]
+    return [None if x is None else x.requires_grad_(True) for x in xs]
+
+
+def run(fn, xs, do, **kw):
+    """Output and the gradients of every given input for upstream gradient do."""
+    live = [x for x in xs if x is not None]
+    o = fn(*xs, **kw)
+    grads = torch.autograd.grad(o, live, do.to(o.dtype), allow_unused=True)
+    return [o] + [torch.zeros_like(x) if gr is None else gr for x, gr in zip(live, grads)]
+
+
+def reference(xs, do):
+    """The naive path in float64 on the same (already rounded) inputs."""
+    xs64 = [None if x is None else x.detach().double().requires_grad_(True) for x in xs]
+    return run(path_attention_naive, xs64, do.double())
+
+
+def check(got, want, names, tol):
+    for name, a, b in zip(["out"] + names, got, want):
+        diff = (a.double() - b.double()).abs()
+        bound = tol * max(1.0, b.abs().max().item())
+        assert diff.max().item() <= bound, (f"{name}: max diff {diff.max().item():.3e}, "
+                                            f"mean {diff.mean().item():.3e}, allowed {bound:.3e}")
+
+
+def plain(xs, dtype=None):
+    return [None if x is None else x.detach().to(dtype or x.dtype) for x in xs]
+
+
+def names_for(xs):
+    return [n for n, x in zip(NAMES, xs) if x is not None]
+
+
+# ---- the reference itself -----------------------------------------------------------------------
+
+def test_naive_equals_explicit_householder_products():
+    B, H, T, D = 1, 2, 6, 4
+    q, k, v, w, beta, g = plain(make_inputs(B, H, T, D))
+    G = g.cumsum(-1)
+    eye = torch.eye(D, dtype=torch.float64)
+    Hs = eye - beta[..., None, None] * w[..., :, None] * w[..., None, :]      # (B, H, T, D, D)
+    logits = torch.full((B, H, T, T), -math.inf, dtype=torch.float64)
+    for i in range(T):
+        for j in range(i + 1):
+            P = eye.expand(B, H, D, D)
+            for t in range(i, j, -1):                                           # H_i H_{i-1} ... H_{j+1}
+                P = P @ Hs[:, :, t]
+            qPk = (q[:, :, i, None, :] @ P @ k[:, :, j, :, None])[..., 0, 0]
+            logits[:, :, i, j] = qPk / math.sqrt(D) + G[:, :, i] - G[:, :, j]
+    want = logits.softmax(-1) @ v
+    got = path_attention_naive(q, k, v, w, beta, g)
+    assert torch.allclose(got, want, atol=1e-12), (got - want).abs().max()
+
+
+def test_naive_gradcheck():
+    xs = make_inputs(1, 1, 5, 3)
+    assert torch.autograd.gradcheck(lambda *a: path_attention_naive(*a), xs, eps=1e-6, atol=1e-7)
+
+
+def test_ut_product_formula():
+    """H_{L-1} ... H_0 = I - W^T A W with A = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta)."""
+    L, D = 9, 5
+    _, _, _, w, beta, _ = plain(make_inputs(1, 1, L, D))
+    w, beta = w[0, 0], beta[0, 0]
+    P = torch.eye(D, dtype=torch.float64)
+    for t in range(L):
+        P = (torch.eye(D, dtype=torch.float64) - beta[t] * torch.outer(w[t], w[t])) @ P
+    Tm = torch.eye(L, dtype=torch.float64) + (beta[:, None] * (w @ w.T)).tril(-1)
+    A = torch.linalg.solve(Tm, torch.diag(beta))
+    assert torch.allclose(P, torch.eye(D, dtype=torch.float64) - w.T @ A @ w, atol=1e-12)
+
+
+# ---- blockwise UT path ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,D,block", [(1, 16, 16), (7, 32, 4), (97, 16, 16), (130, 64, 32), (130, 32, 64)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_torch_path_matches_naive(T, D, block, gate):
+    xs = make_inputs(2, 2, T, D, gate=gate, seed=T)
+    do = torch.randn(2, 2, T, D, dtype=torch.float64)
+    check(run(path_attention_torch, xs, do, block=block), reference(xs, do), names_for(xs), 1e-9)
+
+
+# ---- Triton kernel (interpreter on CPU, compiled on GPU) --------------------------------------------
+
+INTERP = [(1, 16, 16), (7, 32, 16), (97, 16, 16), (130, 32, 32), (70, 64, 64), (40, 128, 32)]
+
+
+@pytest.mark.parametrize("T,D,block", INTERP)
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_matches_naive_fp32(T, D, block, gate):
+    device = "cuda" if GPU else "cpu"
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=torch.float32, device=device, seed=T + D)
+    do = torch.randn(1, 2, T, D, device=device)
+    check(run(path_attention_triton, xs, do, block=block), reference(xs, do), names_for(xs), 1e-4)
+
+
+@pytest.mark.parametrize("T,D,block", [(7, 16, 16), (97, 32, 32)])
+def test_triton_matches_naive_fp16(T, D, block):
+    device = "cuda" if GPU else "cpu"
+    xs = make_inputs(1, 2, T, D, dtype=torch.float16, device=device, seed=T)
+    do = torch.randn(1, 2, T, D, device=device)
+    check(run(path_attention_triton, xs, do, block=block), reference(xs, do), names_for(xs), 2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [1, 97, 130, 333])
+@pytest.mark.parametrize("D,dtype,tol", [(D, dt, tol) for D in (16, 32, 64, 128)
+                                         for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 6e-2))]
+                         + [(64, torch.float16, 2e-2)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_gpu_default_blocks(T, D, dtype, tol, gate):
+    xs = make_inputs(2, 3, T, D, gate=gate, dtype=dtype, device="cuda", seed=T * D)
+    do = torch.randn(2, 3, T, D, device="cuda")
+    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+
+
+def test_triton_rejects_other_head_dims():
+    xs = make_inputs(1, 1, 8, 24, dtype=torch.float32)
+    with pytest.raises(ValueError, match="head dims 16, 32, 64 or 128"):
+        path_attention_triton(*xs)
+
+
+def test_backend_switch(monkeypatch):
+    xs = plain(make_inputs(1, 2, 20, 16, dtype=torch.float32))
+    want = path_attention_naive(*xs)
+    for backend in ("naive", "torch", "triton"):
+        monkeypatch.setattr(pa, "BACKEND", backend)
+        assert torch.allclose(path_attention(*xs), want, atol=1e-5), backend
+    monkeypatch.setattr(pa, "BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="unknown BACKEND"):
+        path_attention(*xs)
+
+
+# ---- reductions and decoding ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [path_attention_naive, path_attention_torch, path_attention_triton])
+def test_beta_zero_is_causal_softmax_attention(fn):
+    q, k, v, w, beta, _ = plain(make_inputs(2, 2, 33, 16, gate=False), torch.float32)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = fn(q, k, v, w, torch.zeros_like(beta))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_reflections_change_the_logits():
+    """Guard against a path that ignores w: with beta = 1 the output differs from softmax attention."""
+    q, k, v, w, beta, _ = plain(make_inputs(1, 1, 12, 8, gate=False))
+    softmax_only = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (path_attention_naive(q, k, v, w, torch.ones_like(beta)) - softmax_only).abs().max() > 1e-2
+
+
+def test_decoding_step_by_step_equals_full_forward():
+    B, H, T, D = 2, 3, 11, 8
+    q, k, v, w, beta, g = plain(make_inputs(B, H, T, D))
+    full = path_attention_naive(q, k, v, w, beta, g)
+    cache, k_before = {}, k.clone()
+    outs = [path_decode_step(cache, q[:, :, t], k[:, :, t], v[:, :, t], w[:, :, t], beta[:, :, t], g[:, :, t])
+            for t in range(T)]
+    assert torch.allclose(torch.stack(outs, 2), full, atol=1e-12)
+    assert torch.equal(k, k_before)                                   # the caller's keys are untouched
+    # the cache holds every key carried to the last position: H_{T-1} ... H_{j+1} k_j
+    j = 3
+    carried = k[:, :, j]
+    for t in range(j + 1, T):
+        carried = carried - beta[:, :, t, None] * (carried * w[:, :, t]).sum(-1, keepdim=True) * w[:, :, t]
+    assert torch.allclose(cache["k"][:, :, j], carried, atol=1e-12)
+
+
+def layer_cfg(**kw):
+    return ModelConfig(vocab_size=10, d_model=32, n_heads=2, causal=True, **kw)
+
+
+def test_layer_decoding_equals_layer_forward():
+    torch.manual_seed(0)
+    layer = PathAttention(layer_cfg(), forget_gate=True).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    full = layer(x, {})
+    cache = {}
+    steps = torch.stack([layer.step(x[:, t], cache) for t in range(9)], 1)
+    assert torch.allclose(steps, full, atol=1e-10), (steps - full).abs().max()
+
+
+def test_path_fox_with_orthogonal_w_is_fox():
+    """When every w_t is orthogonal to all queries and keys, each H_t acts as the identity on
+    them and PaTH-FoX computes exactly FoX. Head coordinate 0 is reserved for w: q and k have
+    none of it, and w has nothing else."""
+    torch.manual_seed(0)
+    cfg = layer_cfg()
+    path, fox = PathAttention(cfg, forget_gate=True).double(), FoxAttention(cfg).double()
+    with torch.no_grad():
+        for h in range(2):
+            path.qkv.weight[h * 16] = 0                   # q coordinate 0 of head h
+            path.qkv.weight[32 + h * 16] = 0              # k coordinate 0 of head h
+        keep = torch.zeros(32, dtype=torch.bool)
+        keep[[0, 16]] = True
+        path.w_proj[1].weight[~keep] = 0                  # w only along coordinate 0 of each head
+        fox.qkv.load_state_dict(path.qkv.state_dict())
+        fox.out.load_state_dict(path.out.state_dict())
+        fox.gate.load_state_dict(path.gate.state_dict())
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    w, beta, _ = path.gates(x)
+    assert (w[..., 0].abs() > 0.99).all() and beta.min() > 0.01     # real reflections, not H = I
+    assert torch.allclose(path(x, {}), fox(x, {}), atol=1e-10)
+
+
+def test_fox_gate_is_a_decaying_bias():
+    """FoX with the gate forced open (g = 0) is plain causal softmax attention."""
+    torch.manual_seed(0)
+    fox = FoxAttention(layer_cfg())
+    with torch.no_grad():
+        fox.gate.weight.zero_()
+        fox.gate.bias.fill_(30.0)                         # logsigmoid(30) ~ -1e-13
+    x = torch.randn(2, 7, 32)
+    q, k, v = fox.qkv(x).view(2, 7, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(fox(x, {}), fox.out(o.transpose(1, 2).reshape(2, 7, 32)), atol=1e-5)
+
+
+def test_layers_refuse_bidirectional_models():
+    with pytest.raises(ValueError, match="causal"):
+        PathAttention(ModelConfig(d_model=32, n_heads=2, causal=False))

@@ -104,6 +104,11 @@ def ut_blocks(q, k, w, beta, scale, C):
       kh: (B, H, T, D)  keys carried to the end of their block, H_{block end - 1} ... H_{j+1} k_j
       wb: (B, H, T, D)  w and u = A W: (B, H, T, D), the block product P = I - W^T U
       sd: (B, H, T, C)  scaled logits inside each block (only j <= i is meaningful)"""
+    with torch.autocast(q.device.type, enabled=False):   # the solve and products stay in float32
+        return _ut_blocks(q, k, w, beta, scale, C)
+
+
+def _ut_blocks(q, k, w, beta, scale, C):
     B, H, T, D = q.shape
     n = T // C
     f = torch.promote_types(q.dtype, torch.float32)

@@ -50,8 +50,8 @@ def _pair(i, m):
 @triton.jit
 def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-         HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr):
-    i, bh = tl.program_id(0), tl.program_id(1)
+         HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+    i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
     row = bh * T + i * C + rc                                        # (C,) query rows
     q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (C, D) query state
@@ -66,7 +66,7 @@ def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
     p = tl.exp2(s - mx[:, None])
     lsum = tl.sum(p, 1)
     v = tl.load(V + row[:, None] * DV + rv[None, :])
-    acc = tl.dot(p.to(v.dtype), v)                                   # (C, DV) float32
+    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                                 # (C, DV) float32
     # key blocks right to left
     for t in range(0, i):
         m = i - 1 - t
@@ -75,7 +75,7 @@ def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
             tl.store(QS + ((bh * n_pairs + _pair(i, m)) * C + rc[:, None]) * D + rd[None, :],
                      q.to(QS.dtype.element_ty))
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        s = tl.dot(q.to(kh.dtype), tl.trans(kh), input_precision=PREC) * qk_scale
+        s = tl.dot(q.to(kh.dtype), tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
         mnew = tl.maximum(mx, tl.max(s, 1))
@@ -83,7 +83,7 @@ def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
         p = tl.exp2(s - mnew[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(V + col[:, None] * DV + rv[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC16)
         mx = mnew
         w = tl.load(W + col[:, None] * D + rd[None, :])
         u = tl.load(U + col[:, None] * D + rd[None, :])
@@ -94,8 +94,8 @@ def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
 
 @triton.jit
 def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pairs, qk_scale, scale,
-            D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr):
-    i, bh = tl.program_id(0), tl.program_id(1)
+            D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+    i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
     row = bh * T + i * C + rc
     do = tl.load(DO + row[:, None] * DV + rv[None, :])
@@ -110,7 +110,7 @@ def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pair
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
     p = tl.exp2(s - lse[:, None])
     v = tl.load(V + row[:, None] * DV + rv[None, :])
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])  # dL/d(logit)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])  # dL/d(logit)
     tl.store(DSD + row[:, None] * C + rc[None, :], ds)
     dg = tl.sum(ds, 1)
     # key blocks left to right, carrying the query-state gradient X
@@ -121,17 +121,17 @@ def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pair
         tl.store(XS + at, x.to(XS.dtype.element_ty))
         qs = tl.load(QS + at)
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        s = tl.dot(qs, tl.trans(kh), input_precision=PREC) * qk_scale
+        s = tl.dot(qs, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
         p = tl.exp2(s - lse[:, None])
         v = tl.load(V + col[:, None] * DV + rv[None, :])
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
         dg += tl.sum(ds, 1)
         w = tl.load(W + col[:, None] * D + rd[None, :])
         u = tl.load(U + col[:, None] * D + rd[None, :])
         x = x - tl.dot(tl.dot(x, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
-        x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC)
+        x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x)
     if HAS_G:
         tl.store(DGQ + row, dg)
@@ -139,8 +139,8 @@ def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pair
 
 @triton.jit
 def _bwd_dkv(QS, XS, KH, V, SD, G, DO, LSE, DELTA, DKH, DV_, DP, DGK, T, n_blocks, n_pairs, qk_scale, scale,
-             D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr):
-    m, bh = tl.program_id(0), tl.program_id(1)
+             D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+    m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
     col = bh * T + m * C + rc
     kh = tl.load(KH + col[:, None] * D + rd[None, :])
@@ -156,8 +156,8 @@ def _bwd_dkv(QS, XS, KH, V, SD, G, DO, LSE, DELTA, DKH, DV_, DP, DGK, T, n_block
         s += gk[:, None] - gk[None, :]
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
     p = tl.exp2(s - lse[:, None])
-    dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)    # (C, DV)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+    dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)    # (C, DV)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
     dg = -tl.sum(ds, 0)
     dk = tl.zeros([C, D], dtype=tl.float32)
     dp_m = tl.zeros([D, D], dtype=tl.float32)
@@ -165,19 +165,19 @@ def _bwd_dkv(QS, XS, KH, V, SD, G, DO, LSE, DELTA, DKH, DV_, DP, DGK, T, n_block
         row = bh * T + i * C + rc
         at = ((bh * n_pairs + _pair(i, m)) * C + rc[:, None]) * D + rd[None, :]
         qs = tl.load(QS + at)
-        s = tl.dot(qs, tl.trans(kh), input_precision=PREC) * qk_scale
+        s = tl.dot(qs, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += tl.load(G + row)[:, None] * 1.4426950408889634 - gk[None, :]
         lse = tl.load(LSE + row)
         p = tl.exp2(s - lse[:, None])
         do = tl.load(DO + row[:, None] * DV + rv[None, :])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)
         delta = tl.load(DELTA + row)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
         dg -= tl.sum(ds, 0)
-        dk += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC)
+        dk += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC16)
         xs = tl.load(XS + at)
-        dp_m += tl.dot(tl.trans(qs), xs, input_precision=PREC)
+        dp_m += tl.dot(tl.trans(qs), xs, input_precision=PREC16)
     tl.store(DKH + col[:, None] * D + rd[None, :], dk)
     tl.store(DV_ + col[:, None] * DV + rv[None, :], dv)
     tl.store(DP + ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :], dp_m)
@@ -200,21 +200,23 @@ class PathScan(torch.autograd.Function):
         n = T // C
         n_pairs = n * (n - 1) // 2
         save = torch.is_grad_enabled() or any(ctx.needs_input_grad)
-        prec = "ieee" if v.dtype == torch.float32 else "tf32"
+        # float32 input: exact float32 products everywhere; 16-bit input: tensor-core products of the
+        # input dtype, and TF32 for the float32 transport products of the carried query state
+        prec, prec16 = ("ieee", "ieee") if v.dtype == torch.float32 else ("tf32", None)
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
         qs = torch.empty(BH, max(n_pairs, 1), C, D, device=v.device, dtype=kh.dtype) if save else o
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, v, w, u, sd, G if has_g else lse, o, lse, qs, T, n_pairs, scale * LOG2E,
-                      D=D, DV=DV, C=C, HAS_G=has_g, SAVE=save, PREC=prec)
+                      D=D, DV=DV, C=C, HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16)
         ctx.save_for_backward(qs, kh, v, w, u, sd, G, o, lse)
-        ctx.scale, ctx.C, ctx.prec = scale, C, prec
+        ctx.scale, ctx.C, ctx.prec = scale, C, (prec, prec16)
         return o
 
     @staticmethod
     def backward(ctx, do):
         qs, kh, v, w, u, sd, G, o, lse = ctx.saved_tensors
-        scale, C, prec = ctx.scale, ctx.C, ctx.prec
+        scale, C, (prec, prec16) = ctx.scale, ctx.C, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
         n = T // C
@@ -229,9 +231,9 @@ class PathScan(torch.autograd.Function):
         dp = torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         _bwd_dq[(n, BH)](qs, kh, v, w, u, sd, G if has_g else lse, do, lse, delta, xs, dqh, dsd, dgq,
-                         T, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec)
+                         T, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dkv[(n, BH)](qs, xs, kh, v, sd, G if has_g else lse, do, lse, delta, dkh, dv, dp, dgk,
-                          T, n, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec)
+                          T, n, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec, PREC16=prec16)
         wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
         dw = -(ub @ dp.mT).view(BH, T, D)                    # P = I - W^T U  =>  dW = -U dP^T
         du = -(wb @ dp).view(BH, T, D)                       #                    dU = -W dP
@@ -253,6 +255,8 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     Tp = q.shape[2]
     qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, C)   # float32, autograd-differentiable
     G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()
+    f32 = torch.float32
     flat = lambda x, dt=None: x.reshape(B * H, Tp, x.shape[-1]).to(dt or x.dtype).contiguous()  # noqa: E731
-    o = PathScan.apply(flat(qh), flat(kh, v.dtype), flat(v), flat(wb), flat(u), flat(sd), G, scale, C)
+    o = PathScan.apply(flat(qh, f32), flat(kh, v.dtype), flat(v), flat(wb, f32), flat(u, f32), flat(sd, f32),
+                      G, scale, C)
     return o.view(B, H, Tp, DV)[:, :, :T]

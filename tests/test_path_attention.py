@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 from kernels.path_attention import path_attention_triton  # noqa: E402
 
 GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"  # where the Triton kernel runs (compiled, or the interpreter on CPU)
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 NAMES = ["q", "k", "v", "w", "beta", "g"]
 
@@ -160,7 +161,7 @@ def test_triton_rejects_other_head_dims():
 
 
 def test_backend_switch(monkeypatch):
-    xs = plain(make_inputs(1, 2, 20, 16, dtype=torch.float32))
+    xs = plain(make_inputs(1, 2, 20, 16, dtype=torch.float32, device=DEV))
     want = path_attention_naive(*xs)
     for backend in ("naive", "torch", "triton"):
         monkeypatch.setattr(pa, "BACKEND", backend)
@@ -174,7 +175,7 @@ def test_backend_switch(monkeypatch):
 
 @pytest.mark.parametrize("fn", [path_attention_naive, path_attention_torch, path_attention_triton])
 def test_beta_zero_is_causal_softmax_attention(fn):
-    q, k, v, w, beta, _ = plain(make_inputs(2, 2, 33, 16, gate=False), torch.float32)
+    q, k, v, w, beta, _ = plain(make_inputs(2, 2, 33, 16, gate=False, device=DEV), torch.float32)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     got = fn(q, k, v, w, torch.zeros_like(beta))
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

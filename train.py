@@ -395,7 +395,7 @@ class TrainConfig:
 PRESETS = {
     "gpu": {
         "default": dict(d_model=128, n_layers=2, n_heads=4, steps=3000, batch_size=64, lr=1e-3),
-        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=15000, batch_size=64, lr=1e-3),
+        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=5000, batch_size=64, lr=1e-3),
         "a5": dict(d_model=256, n_layers=2, n_heads=4, steps=6000, batch_size=128),
         "mqrar": dict(d_model=256, n_layers=2, n_heads=2, steps=6000, batch_size=64),
         "polynomial": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),

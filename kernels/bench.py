@@ -82,9 +82,37 @@ def path_cases(B, H, T, D, dtype):
     return cases
 
 
+def vipe_cases(B, H, T, D, dtype):
+    """ViPE as its layer calls it: value head D - 1, a code of 8 channels."""
+    import vipe
+
+    dev = "cuda"
+    q, k = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, T, D - 1, device=dev, dtype=dtype, requires_grad=True)
+    v_full = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
+    u = (0.1 * torch.randn(H, D, device=dev)).requires_grad_(True)
+    w_p, b_p = (torch.randn(H, 8, device=dev, requires_grad=True) for _ in range(2))
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v_full, is_causal=True)
+
+    def fast():
+        return vipe.vipe_attention(q, k, v, u, w_p, b_p, s=2.0)
+
+    def naive():
+        return vipe.vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0)
+
+    sdpa.inputs = [q, k, v_full]
+    fast.inputs = naive.inputs = [q, k, v, u, w_p, b_p]
+    cases = {"SDPA (no PE)": sdpa, "ViPE fast (SDPA, v + i)": fast}
+    if T <= 1024:  # the naive path holds (B, H, T, T, d_p) codes
+        cases["ViPE naive"] = naive
+    return cases
+
+
 OPS = {
-    "path": dict(cases=path_cases, lengths=[512, 1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True,
-                 fast="PaTH Triton"),
+    "path": dict(cases=path_cases, lengths=[512, 1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
+    "vipe": dict(cases=vipe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
 }
 
 

@@ -13,7 +13,7 @@ from train import (METHODS, Model, ModelConfig, TrainConfig, attend, evaluate, g
                    make_config, rotary, score)
 
 BASELINES = ["nope", "ape", "rope", "alibi", "t5", "fire"]
-CAUSAL_ONLY = ["fox", "path", "path-fox"]
+CAUSAL_ONLY = ["fox", "path", "path-fox", "vipe"]
 
 
 def tiny_config(tmp_path, **kw):

@@ -1,0 +1,147 @@
+"""ViPE: the naive definition against explicit per-pair sums, the exact fast path against the naive
+one (output and every gradient), the two identities the fast path rests on, and the layer.
+
+Tolerances: float64 agrees to rounding (1e-10). float32: both paths round differently over a
+softmax of up to 97 terms and a log(n) factor up to ~4.6 on the logits; ~1e-6 seen, 1e-4 allowed."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vipe
+from train import ModelConfig, main
+from vipe import ViPEAttention, vipe_attention, vipe_attention_naive
+
+NAMES = ["q", "k", "v", "u", "w_p", "b_p"]
+
+
+def make_inputs(B, H, T, D, Dv, dp, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
+    xs = [r(B, H, T, D), r(B, H, T, D), r(B, H, T, Dv), r(H, D, s=0.3), r(H, dp), r(H, dp)]
+    return [x.requires_grad_(True) for x in xs]
+
+
+def run(fn, xs, dz, **kw):
+    z = fn(*xs, **kw)
+    return [z] + list(torch.autograd.grad(z, xs, dz, allow_unused=True))
+
+
+def check(got, want, tol):
+    for name, a, b in zip(["z"] + NAMES, got, want):
+        if a is None and b is None:  # u without the rescaling
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        diff = (a.double() - b.double()).abs()
+        bound = tol * max(1.0, b.abs().max().item())
+        assert diff.max().item() <= bound, f"{name}: max {diff.max().item():.3e} mean {diff.mean().item():.3e}"
+
+
+def test_naive_is_the_papers_formula():
+    """eq. 7-9 written out per (n, i) with plain loops."""
+    B, H, T, D, Dv, dp = 1, 2, 6, 4, 3, 2
+    q, k, v, u, w_p, b_p = (x.detach() for x in make_inputs(B, H, T, D, Dv, dp))
+    s = 1.5
+    z = torch.zeros(B, H, T, Dv + dp, dtype=torch.float64)
+    for h in range(H):
+        for n in range(1, T + 1):
+            logit = torch.stack([s * math.log(n) * (1 + u[h] @ k[0, h, i - 1]) * (q[0, h, n - 1] @ k[0, h, i - 1])
+                                 / math.sqrt(D) for i in range(1, n + 1)])
+            a = logit.softmax(0)
+            for i in range(1, n + 1):
+                code = w_p[h] * (n - i) / s + b_p[h]
+                z[0, h, n - 1] += a[i - 1] * torch.cat([v[0, h, i - 1], code])
+    assert torch.allclose(vipe_attention_naive(q, k, v, u, w_p, b_p, s), z, atol=1e-12)
+
+
+def test_naive_gradcheck():
+    xs = make_inputs(1, 1, 5, 3, 2, 2)
+    assert torch.autograd.gradcheck(lambda *a: vipe_attention_naive(*a, s=2.0), xs, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33, 97])
+@pytest.mark.parametrize("D,Dv", [(16, 15), (16, 8), (16, 16), (32, 40)])
+@pytest.mark.parametrize("s", [1.0, 2.0])
+@pytest.mark.parametrize("rescale", [True, False])
+def test_fast_matches_naive_float64(T, D, Dv, s, rescale):
+    xs = make_inputs(2, 2, T, D, Dv, 4, seed=T + D)
+    dz = torch.randn(2, 2, T, Dv + 4, dtype=torch.float64)
+    check(run(vipe_attention, xs, dz, s=s, rescale=rescale),
+          run(vipe_attention_naive, xs, dz, s=s, rescale=rescale), 1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 33, 97])
+def test_fast_matches_naive_float32(T):
+    xs = make_inputs(2, 3, T, 16, 15, 8, dtype=torch.float32, seed=T)
+    dz = torch.randn(2, 3, T, 23)
+    ref = run(vipe_attention_naive, [x.detach().double().requires_grad_(True) for x in xs], dz.double(), s=2.0)
+    check(run(vipe_attention, xs, dz, s=2.0), ref, 1e-4)
+
+
+def test_value_code_alone_and_rescaling_alone():
+    q, k, v, u, w_p, b_p = (x.detach() for x in make_inputs(2, 2, 9, 8, 7, 3))
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    z = vipe_attention(q, k, v, u, w_p, b_p, rescale=False)
+    assert torch.allclose(z[..., :7], plain, atol=1e-12)                     # no rescaling: plain logits
+    z = vipe_attention(q, k, v, u, w_p[:, :0], b_p[:, :0], s=1.0)
+    assert z.shape[-1] == 7                                                  # no code: values only
+
+
+@pytest.mark.parametrize("s", [1.0, 2.0])
+def test_u_zero_identities(s):
+    """With u = 0 the value part is causal softmax attention with each query scaled by s log(n),
+    and the code part is W_p (n - E[i]) / s + b_p under those same weights."""
+    B, H, T, D, Dv, dp = 2, 2, 11, 8, 7, 3
+    q, k, v, _, w_p, b_p = (x.detach() for x in make_inputs(B, H, T, D, Dv, dp))
+    u = torch.zeros(H, D, dtype=torch.float64)
+    z = vipe_attention(q, k, v, u, w_p, b_p, s)
+    n = torch.arange(1, T + 1, dtype=torch.float64)
+    qs = q * (s * torch.log(n))[:, None]
+    assert torch.allclose(z[..., :Dv], F.scaled_dot_product_attention(qs, k, v, is_causal=True), atol=1e-12)
+    logits = (qs @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    mean_i = logits.softmax(-1) @ n                                          # E[i], 1-based
+    want = (n - mean_i)[..., None] / s * w_p[:, None] + b_p[:, None]
+    assert torch.allclose(z[..., Dv:], want, atol=1e-12)
+
+
+def test_naive_backend_switch(monkeypatch):
+    xs = [x.detach() for x in make_inputs(1, 2, 5, 8, 7, 2)]
+    monkeypatch.setattr(vipe, "BACKEND", "naive")
+    assert torch.allclose(vipe_attention(*xs), vipe_attention_naive(*xs))
+
+
+# ---- the layer --------------------------------------------------------------------------------------
+
+def cfg(**opts):
+    return ModelConfig(vocab_size=10, d_model=32, n_heads=2, causal=True, method="vipe", opts=opts)
+
+
+def test_layer_reads_s_only_at_evaluation():
+    torch.manual_seed(0)
+    layer = ViPEAttention(cfg())
+    with torch.no_grad():
+        layer.u.normal_()
+        layer.w_p.normal_()
+    x = torch.randn(2, 10, 32)
+    train_out = layer(x, {"s": 3.0})
+    assert torch.allclose(train_out, layer(x, {"s": 1.0}))                  # training: s = 1 always
+    layer.eval()
+    assert torch.allclose(layer(x, {"s": 1.0}), train_out)
+    assert not torch.allclose(layer(x, {"s": 3.0}), train_out, atol=1e-3)   # evaluation: s is used
+
+
+def test_layer_modes():
+    assert ViPEAttention(cfg(vipe_mode="scale")).out.in_features == 2 * 15      # no code channels
+    assert ViPEAttention(cfg(vipe_dp=4)).out.in_features == 2 * (15 + 4)
+    with pytest.raises(ValueError, match="vipe_mode"):
+        ViPEAttention(cfg(vipe_mode="magic"))
+
+
+def test_cli_rejects_a_bad_method_option(capsys, tmp_path):
+    code = main(["--task", "copy", "--method", "vipe", "--method-opt", "vipe_mode=magic",
+                 "--out", str(tmp_path / "runs"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "vipe_mode must be one of" in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()

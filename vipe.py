@@ -1,0 +1,150 @@
+"""ViPE: a value-side relative position code with logit rescaling.
+
+Paper: "Dissecting Positional Encoding for Length Generalization" (section 6, eq. 7-9).
+
+With n the 1-based query position, i <= n the key position, and the base logit
+l_ni = q_n . k_i / sqrt(D):
+
+    logits:   l~_ni = lambda_ni * l_ni,      lambda_ni = s * log(n) * (1 + u^T k_i)
+    weights:  a_ni  = softmax_i(l~_ni)                                   (causal)
+    values:   v~_ni = v_i (+) p_{n-i},       p_{n-i} = W_p (n - i) / s + b_p   ((+): concatenation)
+    output:   z_n   = sum_i a_ni v~_ni                                    (Dv + d_p channels)
+
+log(n) keeps the attention entropy from growing with the length, s = L_test_max / L_train_max
+(1 in training) compresses distances at test time and restores the contrast, and (1 + u^T k_i)
+lets each key scale its own logits.
+
+The fast path is exact. The rescaling factors into a per-query and a per-key factor,
+
+    l~_ni = (s log(n) q_n) . ((1 + u^T k_i) k_i) / sqrt(D),
+
+so it is ordinary softmax attention on rescaled queries and keys. And because each row of a sums to
+one, the positional part of z_n is
+
+    sum_i a_ni (W_p (n - i) / s + b_p) = W_p (n - E_n[i]) / s + b_p,     E_n[i] = sum_i a_ni i,
+
+so one extra value channel holding i gives it: z_n = (a v)_n (+) (W_p (n - (a i)_n) / s + b_p).
+`vipe_attention` calls SDPA once with v (+) i. SDPA's fast (flash) kernels want the value head dim
+equal to the query head dim; with one more channel it falls back to a much slower kernel (SPEC 7.3).
+So v (+) i is zero-padded to D channels when Dv < D, and the layer uses a value head of D - 1
+channels so that v (+) i is exactly D wide. (Under bf16 autocast the channel i is rounded like any
+bf16 value: E_n[i] carries a relative error of about 2^-8; float32 is exact.)
+
+Usage:
+
+    from vipe import vipe_attention, ViPEAttention
+    z = vipe_attention(q, k, v, u, w_p, b_p, s=1.0)   # (B, H, T, Dv + d_p)
+    layer = ViPEAttention(cfg)                       # reads ctx["s"] at evaluation time
+
+Options (cfg.opts, from `--method-opt`): vipe_mode = "both" | "value" (the value code alone, no
+rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8).
+
+Shapes: B batch, H heads, T time, D query/key head dim, Dv value head dim, d_p code width.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BACKEND = None  # None = the fast path; "naive" forces the reference (tests, ablations)
+MODES = ("both", "value", "scale")
+
+
+# =============================================================================================
+# Naive reference: the (T, T) logits and the (T, T, d_p) codes, as written in the paper
+# =============================================================================================
+
+def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+    """q, k: (B, H, T, D); v: (B, H, T, Dv); u: (H, D); w_p, b_p: (H, d_p) -> z: (B, H, T, Dv + d_p).
+    rescale=False drops lambda (the value code alone); d_p = 0 drops the code (the rescaling alone)."""
+    B, H, T, D = q.shape
+    n = torch.arange(1, T + 1, device=q.device, dtype=q.dtype)              # 1-based positions
+    logits = q @ k.transpose(-1, -2) / math.sqrt(D)                         # (B, H, T, T) base logits
+    if rescale:
+        lam = s * torch.log(n)[:, None] * (1 + (k * u[:, None, :]).sum(-1))[..., None, :]  # (B, H, T, T)
+        logits = lam * logits
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    a = logits.masked_fill(~causal, -math.inf).softmax(-1)                 # (B, H, T, T)
+    dist = (n[:, None] - n[None, :]) / s                                    # (T, T) compressed n - i
+    codes = dist[None, :, :, None] * w_p[:, None, None, :] + b_p[:, None, None, :]  # (H, T, T, d_p)
+    pos = torch.einsum("bhni,hnip->bhnp", a, codes)                         # (B, H, T, d_p)
+    return torch.cat([a @ v, pos], dim=-1)
+
+
+# =============================================================================================
+# Fast path: one fused attention call with the key index as an extra value channel
+# =============================================================================================
+
+def attention_with_mean_position(q, k, v, scale: float):
+    """Causal softmax attention that also returns E_n[i] = sum_i a_ni i (0-based i), in one SDPA
+    call: v (+) i, zero-padded so that SDPA keeps a fused kernel. -> ((B, H, T, Dv), (B, H, T))."""
+    B, H, T, D = q.shape
+    Dv = v.shape[-1]
+    idx = torch.arange(T, device=v.device, dtype=v.dtype).expand(B, H, T)[..., None]  # (B, H, T, 1)
+    width = D if Dv + 1 <= D else 8 * math.ceil((Dv + 1) / 8)  # one width for q, k and v (+) i
+    vi = F.pad(torch.cat([v, idx], dim=-1), (0, width - Dv - 1))           # (B, H, T, width)
+    if width > D:  # zero channels change no logit
+        q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))
+    out = F.scaled_dot_product_attention(q, k, vi, is_causal=True, scale=scale)
+    return out[..., :Dv], out[..., Dv]
+
+
+def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+    """ViPE attention, same contract as `vipe_attention_naive` (exact, see the module docstring)."""
+    if BACKEND == "naive":
+        return vipe_attention_naive(q, k, v, u, w_p, b_p, s, rescale)
+    B, H, T, D = q.shape
+    f = torch.promote_types(q.dtype, torch.float32)                         # float64 stays float64
+    if rescale:
+        n = torch.arange(1, T + 1, device=q.device, dtype=f)
+        q = q * (s * torch.log(n)).to(q.dtype)[:, None]                     # per-query factor
+        k = k * (1 + (k * u[:, None, :].to(k.dtype)).sum(-1, keepdim=True))  # per-key factor
+    o, mean_i = attention_with_mean_position(q, k, v, D ** -0.5)
+    if w_p.shape[-1] == 0:
+        return o
+    n0 = torch.arange(T, device=q.device, dtype=f)                         # 0-based, like mean_i
+    dist = (n0 - mean_i.to(f)) / s                                        # (B, H, T) n - E[i]
+    pos = dist[..., None] * w_p[:, None, :] + b_p[:, None, :]               # (B, H, T, d_p)
+    return torch.cat([o, pos.to(o.dtype)], dim=-1)
+
+
+# =============================================================================================
+# Layer
+# =============================================================================================
+
+class ViPEAttention(nn.Module):
+    """Causal multi-head ViPE attention. The value head has D - 1 channels (so v (+) i is D wide for
+    SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. At evaluation
+    the model passes ctx["s"] = L_test / L_train_max (at least 1)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if not cfg.causal:
+            raise ValueError("ViPE attention is causal; this task needs a bidirectional model")
+        self.mode = cfg.opts.get("vipe_mode", "both")
+        if self.mode not in MODES:
+            raise ValueError(f"vipe_mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        C, H = cfg.d_model, cfg.n_heads
+        self.H, self.D = H, C // H
+        self.Dv = self.D - 1
+        self.dp = 0 if self.mode == "scale" else int(cfg.opts.get("vipe_dp", 8))
+        self.qk = nn.Linear(C, 2 * C, bias=False)
+        self.v = nn.Linear(C, H * self.Dv, bias=False)
+        self.out = nn.Linear(H * (self.Dv + self.dp), C, bias=False)
+        self.u = nn.Parameter(torch.zeros(H, self.D))                       # starts as pure s log(n)
+        self.w_p = nn.Parameter(0.02 * torch.randn(H, self.dp))
+        self.b_p = nn.Parameter(torch.zeros(H, self.dp))
+
+    def forward(self, x, ctx=None):
+        B, T, C = x.shape
+        s = float((ctx or {}).get("s", 1.0)) if not self.training else 1.0
+        q, k = self.qk(x).view(B, T, 2, self.H, self.D).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, D)
+        v = self.v(x).view(B, T, self.H, self.Dv).transpose(1, 2)               # (B, H, T, D - 1)
+        z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, rescale=self.mode != "value")
+        return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
+
+
+METHODS = {"vipe": {"attention": ViPEAttention, "causal_only": True}}

@@ -866,6 +866,25 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"ape": ["", "0.000"], "rope": ["", "0.021"], "nope": ["", "0.132"], "vipe": ["", "0.150"]},
         scaled="6k steps x 128 commands; our columns average the exact match over the action counts of each "
                "range, the paper reports one number over the test split's commands"),
+    "upe-add": Experiment(
+        claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
+              "RPE generalises (UPE paper section 3)",
+        runs=[dict(task="add_padded", method=m) for m in ("ape", "rpe")],
+        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
+                 ("k=16-20", (16, 20), "exact")],
+        paper={"ape": ["", "fails", "fails", "fails"], "rpe": ["", "generalises", "generalises", "generalises"]},
+        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64"),
+    "upe-mul": Experiment(
+        claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
+              "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
+        runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d})
+              for d in (1, 3) for m in ("ape", "rpe", "upe")],
+        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
+                 ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
+        paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
+               "ape-m3": ["", "fails", "fails", "fails", "fails"]},
+        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64, "
+               "3 uniform slots"),
 }
 
 

@@ -110,9 +110,35 @@ def vipe_cases(B, H, T, D, dtype):
     return cases
 
 
+def upe_cases(B, H, T, D, dtype, K=256, M=3):
+    """UPE as in SPEC 8: bidirectional, clip K = 256, 3 uniform slots (the first keys)."""
+    import upe
+
+    dev = "cuda"
+    q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    rel = (0.1 * torch.randn(H, 2 * K + 1, D, device=dev, dtype=dtype)).requires_grad_(True)
+    uni = (0.1 * torch.randn(H, M, D, device=dev, dtype=dtype)).requires_grad_(True)
+    slot = torch.full((B, T), -1, device=dev, dtype=torch.long)
+    slot[:, :M] = torch.arange(M, device=dev)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def fast():
+        return upe.upe_attention(q, k, v, rel, uni, slot)
+
+    sdpa.inputs = [q, k, v]
+    fast.inputs = [q, k, v, rel, uni]
+    cases = {"SDPA (no PE)": sdpa}
+    if T <= 2048:  # the PyTorch path builds (B, H, T, T) logits
+        cases["UPE PyTorch (gathered tables)"] = fast
+    return cases
+
+
 OPS = {
     "path": dict(cases=path_cases, lengths=[512, 1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
     "vipe": dict(cases=vipe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
+    "upe": dict(cases=upe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=False),
 }
 
 

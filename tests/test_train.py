@@ -78,14 +78,14 @@ def test_causal_models_never_look_ahead(method):
     assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
 
 
-@pytest.mark.parametrize("method", BASELINES + CAUSAL_ONLY)
+@pytest.mark.parametrize("method", BASELINES + ["rpe", "upe"] + CAUSAL_ONLY)
 def test_methods_learn_in_their_modes(method, tmp_path):
     """Forward and backward in causal and (where the method allows) bidirectional mode; the loss
     of a tiny model falls on copy (lengths 1-3) within 100 steps to under 0.45 of its initial
     value (~ln 12). The slowest baselines (nope, alibi: no way to tell positions apart exactly)
     reach about 0.37."""
     task = TASKS["copy"]
-    for causal in (True, False) if method in BASELINES else (True,):
+    for causal in (True,) if method in CAUSAL_ONLY else (True, False):
         torch.manual_seed(0)
         model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=32, n_layers=2, n_heads=2,
                                   method=method, causal=causal))
@@ -97,7 +97,8 @@ def test_methods_learn_in_their_modes(method, tmp_path):
             loss = F.cross_entropy(model(batch.x).flatten(0, 1), batch.y.flatten(), ignore_index=IGNORE)
             opt.zero_grad()
             loss.backward()
-            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for name, p in model.named_parameters()
+                       if not name.endswith(".uni"))  # UPE's slot vectors: copy has no slots
             opt.step()
             losses.append(loss.item())
         assert np.mean(losses[-10:]) < 0.45 * np.mean(losses[:5]), (method, causal, losses[:5], losses[-10:])

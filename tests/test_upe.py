@@ -1,0 +1,182 @@
+"""RPE and UPE: the naive definition against explicit per-pair sums, the fast path (gathered tables)
+against the naive one on output and every gradient, the reductions, and the translation symmetry.
+
+Tolerances: float64 agrees to rounding (1e-10); float32 ~1e-6 seen over softmaxes of <= 97 terms,
+1e-4 allowed."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import upe
+from tasks import TASKS
+from train import ModelConfig, main
+from upe import RPEAttention, UPEAttention, upe_attention, upe_attention_naive, upe_logits
+
+NAMES = ["q", "k", "v", "rel", "uni"]
+
+
+def make_inputs(B, H, T, D, K, M, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)  # noqa: E731
+    q, k, v, rel, uni = r(B, H, T, D), r(B, H, T, D), r(B, H, T, D), r(H, 2 * K + 1, D), r(H, M, D)
+    slot = torch.full((B, T), -1, dtype=torch.long)
+    for b in range(B):                                   # a few slotted keys per row, like a multiplier
+        pos = torch.randperm(T, generator=gen)[: min(M, T)]
+        slot[b, pos] = torch.arange(len(pos))
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[0, T - T // 3:] = False                     # padding at the end of one row
+    return q, k, v, rel, uni, slot, key_mask
+
+
+def run(fn, tensors, extra, do):
+    o = fn(*tensors, *extra)
+    return [o] + list(torch.autograd.grad(o, tensors, do))
+
+
+def check(got, want, tol):
+    for name, a, b in zip(["out"] + NAMES, got, want):
+        diff = (a.double() - b.double()).abs()
+        bound = tol * max(1.0, b.abs().max().item())
+        assert diff.max().item() <= bound, f"{name}: max {diff.max().item():.3e} mean {diff.mean().item():.3e}"
+
+
+def test_naive_is_the_papers_formula():
+    B, H, T, D, K, M = 1, 2, 7, 4, 2, 2
+    q, k, v, rel, uni, slot, key_mask = make_inputs(B, H, T, D, K, M)
+    q, k, v, rel, uni = (x.detach() for x in (q, k, v, rel, uni))
+    want = torch.zeros(B, H, T, D, dtype=torch.float64)
+    for h in range(H):
+        for i in range(T):
+            logits = []
+            for j in range(T):
+                p = uni[h, slot[0, j]] if slot[0, j] >= 0 else rel[h, max(-K, min(K, i - j)) + K]
+                logit = q[0, h, i] @ (k[0, h, j] + p) / math.sqrt(D)
+                logits.append(logit if key_mask[0, j] else torch.tensor(-math.inf, dtype=torch.float64))
+            want[0, h, i] = torch.stack(logits).softmax(0) @ v[0, h]
+    assert torch.allclose(upe_attention_naive(q, k, v, rel, uni, slot, key_mask), want, atol=1e-12)
+
+
+def test_naive_gradcheck():
+    q, k, v, rel, uni, slot, key_mask = make_inputs(1, 1, 5, 3, 1, 2)
+    assert torch.autograd.gradcheck(lambda *a: upe_attention_naive(*a, slot, key_mask), (q, k, v, rel, uni),
+                                    eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T,D,K", [(1, 16, 4), (7, 16, 2), (33, 32, 8), (97, 16, 16), (20, 32, 64)])
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fast_matches_naive_float64(T, D, K, uniform, causal):
+    q, k, v, rel, uni, slot, key_mask = make_inputs(2, 2, T, D, K, 3, seed=T + K)
+    key_mask = None if causal else key_mask              # causal models here have no padding mask
+    tensors = [q, k, v, rel] + ([uni] if uniform else [])
+
+    def call(fn):
+        return lambda q, k, v, rel, uni=None: fn(q, k, v, rel, uni, slot if uniform else None, key_mask, causal)
+
+    do = torch.randn(2, 2, T, D, dtype=torch.float64)
+    check(run(call(upe_attention), tensors, (), do), run(call(upe_attention_naive), tensors, (), do), 1e-10)
+
+
+def test_fast_matches_naive_float32():
+    q, k, v, rel, uni, slot, key_mask = make_inputs(2, 3, 61, 16, 8, 3, dtype=torch.float32, seed=1)
+    do = torch.randn(2, 3, 61, 16)
+    ref = [x.detach().double().requires_grad_(True) for x in (q, k, v, rel, uni)]
+    check(run(upe_attention, [q, k, v, rel, uni], (slot, key_mask), do),
+          run(upe_attention_naive, ref, (slot, key_mask), do.double()), 1e-4)
+
+
+def test_clipped_offsets_share_one_vector():
+    """With clip K every offset beyond K uses R[+-K]: their gradients add up in that one row."""
+    q, k, v, rel, _, _, _ = make_inputs(1, 1, 12, 8, 2, 1)
+    do = torch.randn(1, 1, 12, 8, dtype=torch.float64)
+    g_fast = torch.autograd.grad(upe_attention(q, k, v, rel), rel, do)[0]
+    g_naive = torch.autograd.grad(upe_attention_naive(q, k, v, rel), rel, do)[0]
+    assert torch.allclose(g_fast, g_naive, atol=1e-12)
+    assert g_fast[0, 0].abs().sum() > 0 and g_fast[0, -1].abs().sum() > 0
+
+
+def test_zero_vectors_are_plain_attention():
+    q, k, v, rel, _, _, key_mask = make_inputs(2, 2, 9, 8, 3, 1)
+    q, k, v = (x.detach() for x in (q, k, v))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
+    assert torch.allclose(upe_attention(q, k, v, torch.zeros_like(rel), key_mask=key_mask), want, atol=1e-12)
+
+
+def test_uniform_vector_is_the_same_for_every_query():
+    """A slotted key's positional logit q_i . C[slot] does not depend on where the query is."""
+    q, k, _, rel, uni, slot, _ = (x.detach() if torch.is_tensor(x) and x.requires_grad else x
+                                  for x in make_inputs(1, 1, 10, 8, 2, 2))
+    q = q[:, :, :1].expand(1, 1, 10, 8)                  # the same query content at every position
+    logits = upe_logits(q, k, rel, uni, slot)
+    j = int((slot[0] >= 0).nonzero()[0])
+    assert torch.allclose(logits[0, 0, :, j], logits[0, 0, 0, j].expand(10))
+
+
+def test_rpe_logits_are_invariant_to_shifting_the_operands():
+    """Padding added on the left shifts every digit of both operands by the same amount; RPE's logits
+    between the original tokens do not change (absolute positions would)."""
+    task = TASKS["add_padded"]
+    x = torch.tensor(task.encode(task.tokens(123, 4095, 8)[0]))            # (T,)
+    shift = 5
+    x2 = torch.cat([torch.full((shift,), task.vocab.index("#")), x])
+    torch.manual_seed(0)
+    emb, wq, wk = torch.randn(len(task.vocab), 16), torch.randn(16, 16), torch.randn(16, 16)
+    rel = torch.randn(1, 2 * 4 + 1, 16)
+
+    def logits(tokens, absolute=False):
+        h = emb[tokens]
+        if absolute:
+            h = h + torch.sin(torch.arange(len(tokens))[:, None] / (1 + torch.arange(16)))
+        return upe_logits((h @ wq)[None, None], (h @ wk)[None, None], rel)[0, 0]
+
+    T = len(x)
+    assert torch.allclose(logits(x2)[shift:, shift:], logits(x), atol=1e-5)
+    assert not torch.allclose(logits(x2, True)[shift:, shift:], logits(x, True), atol=1e-2)
+    assert T > 2 * 4                                                        # offsets beyond K are clipped too
+
+
+def test_naive_backend_switch(monkeypatch):
+    q, k, v, rel, uni, slot, key_mask = (x.detach() if x.dtype != torch.long and x.dtype != torch.bool else x
+                                         for x in make_inputs(1, 2, 6, 8, 2, 2))
+    monkeypatch.setattr(upe, "BACKEND", "naive")
+    assert torch.allclose(upe_attention(q, k, v, rel, uni, slot, key_mask),
+                          upe_attention_naive(q, k, v, rel, uni, slot, key_mask))
+
+
+def test_slot_without_a_vector_is_an_error():
+    q, k, v, rel, uni, slot, _ = make_inputs(1, 1, 6, 8, 2, 2)
+    slot[0, 0] = 5
+    with pytest.raises(ValueError, match="slot 5 has no uniform vector"):
+        upe_attention(q, k, v, rel, uni, slot)
+
+
+def cfg(**opts):
+    return ModelConfig(vocab_size=14, d_model=32, n_heads=2, causal=False, opts=opts)
+
+
+def test_layers_use_slot_and_key_mask():
+    torch.manual_seed(0)
+    layer = UPEAttention(cfg(rpe_clip=4, upe_slots=3))
+    x = torch.randn(2, 9, 32)
+    slot = torch.full((2, 9), -1)
+    slot[:, 0] = 0
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1, 7:] = False
+    base = layer(x, {"slot": slot, "key_mask": key_mask})
+    with torch.no_grad():
+        layer.uni[:, 0] += 1.0
+    assert not torch.allclose(layer(x, {"slot": slot, "key_mask": key_mask}), base)   # C[0] is used
+    x2 = x.clone()
+    x2[1, 7:] = 100.0                                                       # masked keys change nothing
+    assert torch.allclose(layer(x2, {"slot": slot, "key_mask": key_mask})[1, :7],
+                          layer(x, {"slot": slot, "key_mask": key_mask})[1, :7], atol=1e-5)
+    assert RPEAttention(cfg(rpe_clip=4)).uni is None
+
+
+def test_cli_rejects_a_bad_clip(capsys, tmp_path):
+    code = main(["--task", "add_padded", "--method", "rpe", "--method-opt", "rpe_clip=0",
+                 "--out", str(tmp_path / "runs"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rpe_clip must be at least 1" in err and not (tmp_path / "runs").exists()

@@ -17,8 +17,9 @@ queries makes that access independent of the position too.
 
 The fast path never builds the (T, T, D) vectors: q . p_ij is a lookup in the per-query tables
 q R^T (T, 2K+1) and q C^T (T, M), gathered by offset or slot. On CPU it gathers them into the
-logits with PyTorch; autograd's scatter-add accumulates the gradient where clipping maps many
-offsets to one entry.
+logits with PyTorch (autograd's scatter-add accumulates the gradient where clipping maps many
+offsets to one entry); on CUDA a FlashAttention-style Triton kernel gathers them per tile and
+never holds a (T, T) tensor (kernels/upe_attention.py, with its own backward).
 
 Usage:
 
@@ -34,12 +35,14 @@ Shapes: B batch, H heads, T time, D head dim, K clip distance, M uniform slots.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 
-BACKEND = None  # None = the fast path; "naive" forces the reference
+BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
 
 def offsets(T: int, K: int, device) -> torch.Tensor:
@@ -91,14 +94,34 @@ def upe_logits(q, k, rel, uni=None, slot=None):
     return (q @ k.transpose(-1, -2) + pos) / math.sqrt(D)
 
 
+def upe_attention_torch(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
+    """The CPU path: memory O(T (K + M + T)) per head (the tables and the logits)."""
+    return _mask(upe_logits(q, k, rel, uni, slot), key_mask, causal).softmax(-1) @ v
+
+
 def upe_attention(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
-    """RPE / UPE attention, same contract as `upe_attention_naive`; memory O(T (K + M + T)) per
-    head: the tables and the logits, never the pairwise vectors."""
-    if BACKEND == "naive":
-        return upe_attention_naive(q, k, v, rel, uni, slot, key_mask, causal)
+    """RPE / UPE attention, same contract as `upe_attention_naive`, never building the pairwise
+    vectors. Triton on CUDA (kernels/upe_attention.py: no (T, T) tensor either), PyTorch on CPU."""
     if slot is not None and uni is not None and slot.max() >= uni.shape[1]:
         raise ValueError(f"slot {int(slot.max())} has no uniform vector (M = {uni.shape[1]})")
-    return _mask(upe_logits(q, k, rel, uni, slot), key_mask, causal).softmax(-1) @ v
+    backend = BACKEND
+    if backend is None:
+        backend = "triton" if q.is_cuda and q.shape[-1] in (16, 32, 64, 128) else "torch"
+        if q.is_cuda and backend == "torch":
+            _warn_once(f"upe_attention: no Triton kernel for head dim {q.shape[-1]}; using the PyTorch path")
+    if backend == "naive":
+        return upe_attention_naive(q, k, v, rel, uni, slot, key_mask, causal)
+    if backend == "torch":
+        return upe_attention_torch(q, k, v, rel, uni, slot, key_mask, causal)
+    if backend == "triton":
+        from kernels.upe_attention import upe_attention_triton
+        return upe_attention_triton(q, k, v, rel, uni, slot, key_mask, causal)
+    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
+
+
+@functools.cache
+def _warn_once(msg):
+    warnings.warn(msg, stacklevel=3)
 
 
 # =============================================================================================

@@ -127,11 +127,14 @@ def upe_cases(B, H, T, D, dtype, K=256, M=3):
     def fast():
         return upe.upe_attention(q, k, v, rel, uni, slot)
 
+    def torch_path():
+        return upe.upe_attention_torch(q, k, v, rel, uni, slot)
+
     sdpa.inputs = [q, k, v]
-    fast.inputs = [q, k, v, rel, uni]
-    cases = {"SDPA (no PE)": sdpa}
+    fast.inputs = torch_path.inputs = [q, k, v, rel, uni]
+    cases = {"SDPA (no PE)": sdpa, "UPE Triton": fast}
     if T <= 2048:  # the PyTorch path builds (B, H, T, T) logits
-        cases["UPE PyTorch (gathered tables)"] = fast
+        cases["UPE PyTorch (gathered tables)"] = torch_path
     return cases
 
 

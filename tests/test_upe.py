@@ -14,6 +14,12 @@ from tasks import TASKS
 from train import ModelConfig, main
 from upe import RPEAttention, UPEAttention, upe_attention, upe_attention_naive, upe_logits
 
+triton = pytest.importorskip("triton")
+from kernels.upe_attention import upe_attention_triton  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
 NAMES = ["q", "k", "v", "rel", "uni"]
 
 
@@ -77,6 +83,52 @@ def test_fast_matches_naive_float64(T, D, K, uniform, causal):
 
     do = torch.randn(2, 2, T, D, dtype=torch.float64)
     check(run(call(upe_attention), tensors, (), do), run(call(upe_attention_naive), tensors, (), do), 1e-10)
+
+
+@pytest.mark.parametrize("T,D,K,block", [(1, 16, 4, 16), (7, 16, 2, 16), (37, 32, 4, 16), (70, 64, 64, 64),
+                                         (20, 128, 8, 32)])
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_matches_naive(T, D, K, block, uniform, causal):
+    """Through the interpreter on CPU (compiled on a GPU), float32; the reference in float64."""
+    q, k, v, rel, uni, slot, key_mask = make_inputs(2, 2, T, D, K, 3, dtype=torch.float32, seed=T * D)
+    key_mask = None if causal else key_mask.to(DEV)
+    tensors = [x.detach().to(DEV).requires_grad_(True) for x in (q, k, v, rel)] + \
+        ([uni.detach().to(DEV).requires_grad_(True)] if uniform else [])
+    sl = slot.to(DEV) if uniform else None
+    do = torch.randn(2, 2, T, D, device=DEV)
+    got = run(lambda q, k, v, rel, uni=None: upe_attention_triton(q, k, v, rel, uni, sl, key_mask, causal, block),
+              tensors, (), do)
+    ref = [x.detach().double().requires_grad_(True) for x in tensors]
+    want = run(lambda q, k, v, rel, uni=None: upe_attention_naive(q, k, v, rel, uni, sl, key_mask, causal),
+               ref, (), do.double())
+    check(got, want, 1e-4)
+
+
+def test_triton_matches_naive_fp16():
+    q, k, v, rel, uni, slot, key_mask = make_inputs(1, 2, 45, 32, 6, 3, dtype=torch.float16, seed=3)
+    tensors = [x.detach().to(DEV).requires_grad_(True) for x in (q, k, v, rel, uni)]
+    sl, km = slot.to(DEV), key_mask.to(DEV)
+    do = torch.randn(1, 2, 45, 32, device=DEV, dtype=torch.float16)
+    got = run(lambda *a: upe_attention_triton(*a, sl, km, False, 16), tensors, (), do)
+    ref = [x.detach().double().requires_grad_(True) for x in tensors]
+    # fp16 inputs, fp16 products on tensor cores: ~3e-3 seen, 2e-2 allowed
+    check(got, run(lambda *a: upe_attention_naive(*a, sl, km), ref, (), do.double()), 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 130, 333])
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+def test_triton_gpu(T, D, dtype, tol):
+    q, k, v, rel, uni, slot, key_mask = make_inputs(2, 3, T, D, 16, 3, dtype=dtype, seed=T + D)
+    tensors = [x.detach().cuda().requires_grad_(True) for x in (q, k, v, rel, uni)]
+    sl, km = slot.cuda(), key_mask.cuda()
+    do = torch.randn(2, 3, T, D, device="cuda", dtype=dtype)
+    got = run(lambda *a: upe_attention_triton(*a, sl, km), tensors, (), do)
+    ref = [x.detach().double().requires_grad_(True) for x in tensors]
+    check(got, run(lambda *a: upe_attention_naive(*a, sl, km), ref, (), do.double()), tol)
 
 
 def test_fast_matches_naive_float32():

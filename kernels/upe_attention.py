@@ -1,0 +1,188 @@
+"""Triton kernels for RPE / UPE attention: FlashAttention with gathered position logits.
+
+The logit of query i and key j is (q_i . k_j + t_ij) * scale, where t_ij is looked up in per-query
+tables built by PyTorch (upe.py differentiates them with autograd):
+
+    QR: (B*H, T, 2K+1)  q_i . R[o]  for the clipped offset o = clip(i - j, -K, K) + K
+    QC: (B*H, T, M)     q_i . C[m]  used instead when key j has slot m >= 0
+
+so no (T, T, D) or (T, T) tensor exists. Forward: one program per (query block, batch*head), online
+softmax over the key blocks. Backward: `_bwd_dkv` (per key block: dK, dV in registers) and `_bwd_dq`
+(per query block: dQ, and the table gradients dQR / dQC with atomic adds, because clipping sends
+many keys of one query to the same table entry). The caller pads T to the block with masked keys.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits(q, KP, TR, TC, SLOTB, MASKB, row, col, i_pos, j_pos, qk_scale,
+            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+            HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 logits of one (query block, key block) tile, masked; the table offsets and slots."""
+    rd = tl.arange(0, D)
+    k = tl.load(KP + col[:, None] * D + rd[None, :])
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    off = tl.minimum(tl.maximum(i_pos[:, None] - j_pos[None, :], -K), K) + K          # (C, C)
+    t = tl.load(TR + row[:, None] * NR + off)
+    sl = tl.load(SLOTB + j_pos)                                                         # (C,) key slots
+    if HAS_UNI:
+        tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :])
+        t = tl.where(sl[None, :] >= 0, tc, t)
+    s = (s + t) * qk_scale
+    ok = (tl.load(MASKB + j_pos) != 0)[None, :] & (i_pos[:, None] >= 0)
+    if CAUSAL:
+        ok = ok & (j_pos[None, :] <= i_pos[:, None])
+    return tl.where(ok, s, float("-inf")), off, sl
+
+
+@triton.jit
+def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
+         NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+         HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    i_pos = i * C + rc
+    row = bh * T + i_pos
+    q = tl.load(Q + row[:, None] * D + rd[None, :])
+    mx = tl.full([C], float("-inf"), tl.float32)
+    lsum = tl.zeros([C], tl.float32)
+    acc = tl.zeros([C, D], tl.float32)
+    n_keys = (i + 1) * C if CAUSAL else T
+    for j0 in range(0, n_keys, C):
+        j_pos = j0 + rc
+        s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, bh * T + j_pos, i_pos, j_pos,
+                          qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+        mnew = tl.maximum(mx, tl.max(s, 1))
+        m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
+        alpha = tl.exp2(mx - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(V + (bh * T + j_pos)[:, None] * D + rd[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        mx = mnew
+    tl.store(O + row[:, None] * D + rd[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
+    tl.store(LSE + row, mx + tl.log2(lsum))
+
+
+@triton.jit
+def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale, scale,
+            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+            HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    i_pos = i * C + rc
+    row = bh * T + i_pos
+    q = tl.load(Q + row[:, None] * D + rd[None, :])
+    do = tl.load(DO + row[:, None] * D + rd[None, :])
+    lse = tl.load(LSE + row)
+    delta = tl.load(DELTA + row)
+    dq = tl.zeros([C, D], tl.float32)
+    n_keys = (i + 1) * C if CAUSAL else T
+    for j0 in range(0, n_keys, C):
+        j_pos = j0 + rc
+        col = bh * T + j_pos
+        s, off, sl = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
+                             qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+        p = tl.exp2(s - lse[:, None])
+        v = tl.load(V + col[:, None] * D + rd[None, :])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
+        k = tl.load(KP + col[:, None] * D + rd[None, :])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        rel = sl[None, :] < 0
+        if HAS_UNI:
+            tl.atomic_add(DTC + row[:, None] * NC + tl.maximum(sl, 0)[None, :], ds,
+                          mask=(sl[None, :] >= 0) & (p > 0))
+        else:
+            rel = rel | (sl[None, :] >= 0)
+        tl.atomic_add(DTR + row[:, None] * NR + off, ds, mask=rel & (p > 0))
+    tl.store(DQ + row[:, None] * D + rd[None, :], dq)
+
+
+@triton.jit
+def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scale, scale,
+             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+             HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    j, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b = bh // H
+    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    j_pos = j * C + rc
+    col = bh * T + j_pos
+    v = tl.load(V + col[:, None] * D + rd[None, :])
+    dk = tl.zeros([C, D], tl.float32)
+    dv = tl.zeros([C, D], tl.float32)
+    i_start = j * C if CAUSAL else 0
+    for i0 in range(i_start, T, C):
+        i_pos = i0 + rc
+        row = bh * T + i_pos
+        q = tl.load(Q + row[:, None] * D + rd[None, :])
+        s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
+                          qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+        p = tl.exp2(s - tl.load(LSE + row)[:, None])
+        do = tl.load(DO + row[:, None] * D + rd[None, :])
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - tl.load(DELTA + row)[:, None]) * scale
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+    tl.store(DK + col[:, None] * D + rd[None, :], dk)
+    tl.store(DV + col[:, None] * D + rd[None, :], dv)
+
+
+class UPEFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tr, tc, slot, mask, H, K, scale, causal, C):
+        BH, T, D = q.shape
+        has_uni = tc is not None
+        prec = "ieee" if q.dtype == torch.float32 else None
+        o = torch.empty_like(q)
+        lse = torch.empty(BH, T, device=q.device, dtype=torch.float32)
+        tc_ = tc if has_uni else tr
+        meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, C=C, HAS_UNI=has_uni, CAUSAL=causal, PREC=prec)
+        _fwd[(T // C, BH)](q, k, v, tr, tc_, slot, mask, o, lse, T, H, scale * 1.4426950408889634, **meta)
+        ctx.save_for_backward(q, k, v, tr, tc_, slot, mask, o, lse)
+        ctx.meta, ctx.H, ctx.scale, ctx.has_uni = meta, H, scale, has_uni
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, tr, tc, slot, mask, o, lse = ctx.saved_tensors
+        meta, H, scale = ctx.meta, ctx.H, ctx.scale
+        BH, T, D = q.shape
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1)
+        dq, dk, dv = (torch.empty(BH, T, D, device=q.device, dtype=torch.float32) for _ in range(3))
+        dtr, dtc = torch.zeros_like(tr), torch.zeros_like(tc)
+        args = (T, H, scale * 1.4426950408889634, scale)
+        _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dq, dtr, dtc, *args, **meta)
+        _bwd_dkv[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dk, dv, *args, **meta)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtr, dtc if ctx.has_uni else None,
+                None, None, None, None, None, None, None)
+
+
+def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
+    """Same contract as upe.upe_attention_naive. The tables q R^T and q C^T are built here in
+    float32 (autograd carries their gradient to q, R and C)."""
+    B, H, T, D = q.shape
+    if D not in (16, 32, 64, 128):
+        raise ValueError(f"the UPE Triton kernel takes head dims 16, 32, 64 or 128, got {D}")
+    C = block or (64 if D <= 64 else 32)
+    pad = -T % C
+    Tp = T + pad
+    K = (rel.shape[1] - 1) // 2
+    mask = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    mask = torch.nn.functional.pad(mask, (0, pad)).to(torch.int8).contiguous()       # padded keys: masked
+    slot_ = torch.full((B, T), -1, dtype=torch.long, device=q.device) if slot is None else slot
+    slot_ = torch.nn.functional.pad(slot_, (0, pad), value=-1).to(torch.int32).contiguous()
+    qp, kp, vp = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    f32 = torch.float32
+    tr = (qp.to(f32) @ rel.to(f32).transpose(-1, -2)[None]).reshape(B * H, Tp, 2 * K + 1).contiguous()
+    tc = None
+    if uni is not None and slot is not None:
+        tc = (qp.to(f32) @ uni.to(f32).transpose(-1, -2)[None]).reshape(B * H, Tp, uni.shape[1]).contiguous()
+    flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
+    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), tr, tc, slot_, mask, H, K, D ** -0.5, causal, C)
+    return o.view(B, H, Tp, D)[:, :, :T]

@@ -1,0 +1,128 @@
+"""PRISM's histogram filter: the vectorised step and scan against Algorithm 1 bin by bin (outputs
+and gradients), and the behaviours the update rule promises.
+
+Tolerances: float64 agrees to rounding (1e-10); float32 to 1e-5 (a few hundred products and one
+power per step)."""
+import pytest
+import torch
+
+import prism
+from prism import histogram_scan, histogram_scan_naive, histogram_step, histogram_step_naive
+
+
+def gates(B, C, T, dtype=torch.float64, seed=0, copy_P=None):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+    p_reset = r(B, C, T) * 0.5
+    move = torch.softmax(3 * torch.randn(B, C, T, 3, generator=gen, dtype=torch.float64), -1).to(dtype)
+    gamma = (1 + r(B, C) * 2).requires_grad_(True)
+    xs = [p_reset, *move.unbind(-1)]
+    copy = None
+    if copy_P is not None:
+        copy = torch.softmax(2 * torch.randn(B, C, T, copy_P + 1, generator=gen, dtype=torch.float64), -1).to(dtype)
+        copy = copy.requires_grad_(True)
+    return [x.detach().requires_grad_(True) for x in xs] + [gamma], copy
+
+
+def test_step_example_by_hand():
+    """P = 3, all mass at bin 1: keep 0.5, inc 0.3, dec 0.2, reset 0.1, gamma = 1 (no sharpening)."""
+    h = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+    one = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    got = histogram_step_naive(h, one(0.1), one(0.3), one(0.2), one(0.5), one(1.0), eps=0.0)
+    # reset: bin 1 += 0.1 * 0.3, bin 0 += 0.1 * 0.7; moves: 0.9 * (0.2 to bin 0, 0.5 stays, 0.3 to bin 2)
+    want = torch.tensor([0.07 + 0.18, 0.03 + 0.45, 0.27], dtype=torch.float64)
+    assert torch.allclose(got, want, atol=1e-12)
+    assert torch.allclose(histogram_step(h, one(0.1), one(0.3), one(0.2), one(0.5), one(1.0), eps=0.0), want)
+
+
+@pytest.mark.parametrize("P", [2, 3, 8])
+@pytest.mark.parametrize("copy", [False, True])
+def test_step_matches_naive(P, copy):
+    (p_reset, p_inc, p_dec, p_keep, gamma), p_copy = gates(2, 3, 1, copy_P=P if copy else None)
+    h = torch.softmax(torch.randn(2, 3, P, dtype=torch.float64), -1).requires_grad_(True)
+    args = (h, p_reset[..., 0], p_inc[..., 0], p_dec[..., 0], p_keep[..., 0], gamma,
+            None if p_copy is None else p_copy[:, :, 0])
+    a, b = histogram_step_naive(*args), histogram_step(*args)
+    assert torch.allclose(a, b, atol=1e-12)
+    assert torch.allclose(a.sum(-1), torch.ones(2, 3, dtype=torch.float64))
+    leaves = [x for x in (h, p_reset, p_inc, p_dec, p_keep, gamma, p_copy) if x is not None]
+    up = torch.randn_like(a)
+    for ga, gb in zip(torch.autograd.grad(a, leaves, up), torch.autograd.grad(b, leaves, up)):
+        assert torch.allclose(ga, gb, atol=1e-10)
+
+
+def test_step_gradcheck():
+    (p_reset, p_inc, p_dec, p_keep, gamma), p_copy = gates(1, 2, 1, copy_P=4)
+    h = torch.softmax(torch.randn(1, 2, 4, dtype=torch.float64), -1).requires_grad_(True)
+    f = lambda h, r, i, d, k, g, c: histogram_step_naive(h, r, i, d, k, g, c)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (h, p_reset[..., 0], p_inc[..., 0], p_dec[..., 0], p_keep[..., 0], gamma,
+                                        p_copy[:, :, 0]), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("T,P", [(1, 4), (7, 8), (30, 16)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("copy", [False, True])
+def test_scan_matches_naive(T, P, dtype, tol, copy):
+    xs, p_copy = gates(2, 3, T, dtype=dtype, seed=T, copy_P=P if copy else None)
+    leaves = xs + ([p_copy] if copy else [])
+    a = histogram_scan_naive(*xs, P, p_copy)
+    b = histogram_scan(*xs, P, p_copy)
+    assert a.shape == (2, 3, T, P)
+    assert (a - b).abs().max() <= tol, (a - b).abs().max()
+    assert torch.allclose(b.sum(-1), torch.ones_like(b[..., 0]), atol=tol)
+    up = torch.randn_like(a)
+    for name, ga, gb in zip(["reset", "inc", "dec", "keep", "gamma", "copy"], torch.autograd.grad(a, leaves, up),
+                            torch.autograd.grad(b, leaves, up)):
+        diff = (ga - gb).abs()
+        assert diff.max() <= tol * max(1.0, ga.abs().max().item()), f"{name}: max {diff.max():.2e} mean {diff.mean():.2e}"
+
+
+def test_counting_tokens_gives_absolute_position():
+    """p_reset = 0, p_inc = 1, gamma = 1: the mode moves one bin per token."""
+    B, C, T, P = 1, 2, 10, 16
+    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
+    hist = histogram_scan(z, one, z, z, torch.ones(B, C), P)
+    assert hist.argmax(-1).tolist() == [[list(range(1, T + 1))] * C]
+
+
+def test_reset_and_keep_stays_at_zero():
+    B, C, T, P = 1, 1, 6, 8
+    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
+    hist = histogram_scan(one, z, z, one, torch.full((B, C), 2.0), P)
+    assert (hist.argmax(-1) == 0).all() and (hist[..., 0] > 0.999).all()
+
+
+def test_counting_clamps_at_the_last_bin():
+    z, one = torch.zeros(1, 1, 12), torch.ones(1, 1, 12)
+    hist = histogram_scan(z, one, z, z, torch.ones(1, 1), 5)
+    assert hist.argmax(-1)[0, 0].tolist() == [1, 2, 3, 4] + [4] * 8
+
+
+def test_copy_one_hot_jumps_to_that_bin():
+    B, C, T, P = 1, 1, 3, 8
+    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
+    copy = torch.zeros(B, C, T, P + 1)
+    copy[..., P] = 1                                                   # no copy ...
+    copy[0, 0, 1] = 0
+    copy[0, 0, 1, 5] = 1                                               # ... except at token 1: jump to bin 5
+    hist = histogram_scan(z, one, z, z, torch.ones(B, C), P, copy)
+    assert hist.argmax(-1)[0, 0].tolist() == [1, 5, 6]
+
+
+def test_sharpening_concentrates_mass():
+    h = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    z, one = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    soft = histogram_step(h, z, z, z, one, one, eps=0.0)
+    sharp = histogram_step(h, z, z, z, one, torch.tensor(2.0, dtype=torch.float64), eps=0.0)
+    assert torch.allclose(soft, h) and sharp[1] > soft[1] and torch.allclose(sharp.sum(), one)
+
+
+def test_one_bin_is_an_error():
+    with pytest.raises(ValueError, match="at least 2 bins"):
+        histogram_step(torch.ones(1), *(torch.tensor(0.5),) * 5)
+
+
+def test_naive_backend_switch(monkeypatch):
+    xs, _ = gates(1, 1, 4)
+    monkeypatch.setattr(prism, "BACKEND", "naive")
+    assert torch.allclose(histogram_scan(*xs, 5), histogram_scan_naive(*xs, 5))

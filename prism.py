@@ -32,7 +32,12 @@ Shapes: B batch, T time, C cursors, P histogram bins, d sinusoid width, H heads.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.parametrizations import orthogonal
 
 BACKEND = None  # None = the fast path; "naive" forces the reference
 
@@ -109,3 +114,135 @@ def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, ep
     if BACKEND == "naive":
         return histogram_scan_naive(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
     return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
+
+
+# =============================================================================================
+# From histograms to position scores (Algorithms 2-4)
+# =============================================================================================
+
+def sinusoid_table(P: int, d: int, device=None) -> torch.Tensor:
+    """(P, d): f(k) = [sin(k w_j), cos(k w_j)], w_j = 10000^(-2j/d), the transformer's table."""
+    k = torch.arange(P, device=device, dtype=torch.float32)[:, None]
+    w = 10000.0 ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    return torch.stack([torch.sin(k * w), torch.cos(k * w)], -1).flatten(-2)[:, :d]
+
+
+def superpose(hist, table):
+    """Algorithm 2: g_t = sum_k h_t[k] f(k), one matrix product. hist (..., P) -> (..., d)."""
+    return hist @ table
+
+
+def normalise(g, H: int):
+    """Algorithm 3 (the projection-free norm): the cursors of one head, at one position, scaled
+    together to norm sqrt(d). g: (B, H*O, T, d) -> (B, H, O, T, d)."""
+    B, HO, T, d = g.shape
+    g = g.view(B, H, HO // H, T, d)
+    norm = g.pow(2).sum((2, 4), keepdim=True).sqrt().clamp(min=1e-6)   # over (O, d) per (b, h, t)
+    return g / norm * d ** 0.5
+
+
+def position_scores(gq, gk, alpha):
+    """Algorithm 4: sum_c |alpha_{h,c}| <gq_c, gk_c> / sqrt(O d). gq, gk: (B, H, O, T, d);
+    alpha: (H, O) -> (B, H, T, T)."""
+    B, H, O, T, d = gq.shape
+    gq = (gq * alpha.abs()[None, :, :, None, None]).permute(0, 1, 3, 2, 4).reshape(B, H, T, O * d)
+    gk = gk.permute(0, 1, 3, 2, 4).reshape(B, H, gk.shape[3], O * d)     # cursors side by side
+    return gq @ gk.transpose(-1, -2) / (O * d) ** 0.5
+
+
+# =============================================================================================
+# The model parts: gate network and position streams (hooks), attention layer
+# =============================================================================================
+
+GAMMA_INIT = 2.0
+
+
+class PrismGates(nn.Module):
+    """A GRU (hidden 100) over the residual stream, emitting per cursor p_reset (Bernoulli) and
+    (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal."""
+
+    def __init__(self, d_model: int, n_cursors: int, hidden: int = 100):
+        super().__init__()
+        self.n = n_cursors
+        self.gru = nn.GRU(d_model, hidden, batch_first=True)
+        orthogonal(self.gru, "weight_hh_l0")
+        self.head = nn.Linear(hidden, 4 * n_cursors)
+
+    def forward(self, h):
+        """h: (B, T, d_model) -> p_reset, p_inc, p_dec, p_keep: (B, n_cursors, T) float32."""
+        B, T, _ = h.shape
+        out, _ = self.gru(h)
+        logits = self.head(out).float().view(B, T, self.n, 4).permute(0, 2, 1, 3)   # (B, n, T, 4)
+        move = logits[..., 1:].softmax(-1)
+        return torch.sigmoid(logits[..., 0]), move[..., 0], move[..., 1], move[..., 2]
+
+
+class PrismHooks(nn.Module):
+    """Computes the position streams before the chosen blocks and leaves them in ctx for every
+    following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d); ctx["prism_hist"] and
+    ctx["prism_gates"] keep the histograms and gates for plots."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        o = cfg.opts
+        self.H, self.O = cfg.n_heads, int(o.get("prism_cursors", 4))
+        self.P, self.d = int(o.get("prism_bins", 256)), int(o.get("prism_dim", 32))
+        self.blocks = [int(b) for b in o.get("prism_blocks", [0])]
+        n = 2 * self.H * self.O                                         # query and key cursors
+        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n) for _ in self.blocks)
+        # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT
+        self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
+        self.register_buffer("table", sinusoid_table(self.P, self.d), persistent=False)
+
+    def embed(self, h, ctx):
+        return h
+
+    def before_block(self, i, h, ctx):
+        if i not in self.blocks:
+            return
+        k = self.blocks.index(i)
+        p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
+        gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
+        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, self.P)   # (B, 2 H O, T, P)
+        g = superpose(hist, self.table)                                 # (B, 2 H O, T, d)
+        n = self.H * self.O
+        ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))
+        ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
+
+
+class PrismAttention(nn.Module):
+    """a_ts = mu_h <q_t, k_s> / sqrt(D) + (1 - mu_h) sum_c |alpha_{h,c}| <g_q, g_k> / sqrt(O d)
+    (eq. 8), mu_h = sigmoid(learned), causal or bidirectional with a key padding mask."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        C, H = cfg.d_model, cfg.n_heads
+        self.H, self.D, self.causal = H, C // H, cfg.causal
+        self.qkv = nn.Linear(C, 3 * C, bias=False)
+        self.out = nn.Linear(C, C, bias=False)
+        self.mu_logit = nn.Parameter(torch.zeros(H))                     # mu = 0.5 at the start
+        self.alpha = nn.Parameter(torch.ones(H, int(cfg.opts.get("prism_cursors", 4))))
+
+    def forward(self, x, ctx):
+        if "prism" not in ctx:
+            raise RuntimeError("PrismAttention needs ctx['prism'] from PrismHooks (use --method prism)")
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        mu = torch.sigmoid(self.mu_logit)[:, None, None]
+        content = (q @ k.transpose(-1, -2)).float() / self.D ** 0.5               # (B, H, T, T)
+        logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
+        if self.causal:
+            logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), -math.inf)
+        if ctx.get("key_mask") is not None:
+            logits = logits.masked_fill(~ctx["key_mask"][:, None, None, :], -math.inf)
+        o = logits.softmax(-1).to(v.dtype) @ v
+        return self.out(o.transpose(1, 2).reshape(B, T, C))
+
+
+def alpha_group(model, base_lr):
+    """The paper's separate AdamW group for the cursor scales alpha (beta 0.8 / 0.92, lr 0.03)."""
+    alphas = [p for name, p in model.named_parameters() if name.endswith(".alpha")]
+    return [{"params": alphas, "lr": 0.03, "betas": (0.8, 0.92), "weight_decay": 0.0}] if alphas else []
+
+
+METHODS = {"prism": {"attention": PrismAttention, "hooks": PrismHooks, "param_groups": alpha_group}}

@@ -866,6 +866,39 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"ape": ["", "0.000"], "rope": ["", "0.021"], "nope": ["", "0.132"], "vipe": ["", "0.150"]},
         scaled="6k steps x 128 commands; our columns average the exact match over the action counts of each "
                "range, the paper reports one number over the test split's commands"),
+    "prism-copy": Experiment(
+        claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
+              "APE with a random position shift fails (paper Fig. 3)",
+        runs=[dict(task="copy", method="prism", curriculum=True),
+              dict(task="copy", method="ape", ape_shift=100, curriculum=True)],
+        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-50", (21, 50), "exact"),
+                 ("51-100", (51, 100), "exact")],
+        paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
+        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100) with the "
+               "curriculum compressed into the first half of the steps"),
+    "prism-add": Experiment(
+        claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
+              "20-30 digits, APE fails (paper Fig. 4)",
+        runs=[dict(task="add_cot", method="prism", curriculum=True),
+              dict(task="add_cot", method="ape", ape_shift=100, curriculum=True)],
+        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
+        paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
+        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100)"),
+    "prism-more": Experiment(
+        claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
+              "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
+        runs=[dict(task="reverse", method="prism", curriculum=True, opts={"prism_bins": 512}),
+              dict(task="odds_first", method="prism", curriculum=True, n_layers=4,
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
+              dict(task="stack", method="prism", curriculum=True, n_layers=4,
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
+              dict(task="dyn_str_cpy", method="prism", curriculum=True),
+              dict(task="mul_cot", method="prism", curriculum=True),
+              dict(task="scan_cot", method="prism")],
+        columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
+        paper={},
+        scaled="the GPU preset per task (3k steps; the paper: 150k); PRISM only (the figures' baselines are "
+               "the other experiments' APE runs); odds_first and stack recompute positions before blocks 1 and 4"),
     "upe-add": Experiment(
         claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises (UPE paper section 3)",
@@ -938,8 +971,12 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
 
 
 def column_numbers(summary: dict, selector, metric: str):
-    """(mean, lo, hi) over seeds of one column, or None; flip-flop errors in percent."""
-    if isinstance(selector, str):
+    """(mean, lo, hi) over seeds of one column, or None; flip-flop errors in percent. selector:
+    a variant name, a (lo, hi) length range, or "train" / "beyond" (up to / past the training length)."""
+    if selector in ("train", "beyond"):
+        top = summary["train_max_length"]
+        pts = [p for p in summary["eval"] if (p["length"] <= top) == (selector == "train")]
+    elif isinstance(selector, str):
         pts = [p for p in summary["eval"] if p["name"] == selector]
     else:
         pts = [p for p in summary["eval"] if selector[0] <= p["length"] <= selector[1]]

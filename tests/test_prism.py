@@ -126,3 +126,85 @@ def test_naive_backend_switch(monkeypatch):
     xs, _ = gates(1, 1, 4)
     monkeypatch.setattr(prism, "BACKEND", "naive")
     assert torch.allclose(histogram_scan(*xs, 5), histogram_scan_naive(*xs, 5))
+
+
+# ---- superposition, scores and the layer ------------------------------------------------------------
+
+import math  # noqa: E402
+
+from prism import (PrismAttention, PrismHooks, alpha_group, normalise, position_scores,  # noqa: E402
+                   sinusoid_table, superpose)
+from train import Model, ModelConfig  # noqa: E402
+
+
+def test_superposition_of_a_one_hot_histogram_is_the_table_row():
+    table = sinusoid_table(16, 8)
+    hist = torch.zeros(2, 16)
+    hist[0, 3], hist[1, 7] = 1, 1
+    assert torch.allclose(superpose(hist, table), table[[3, 7]])
+    mix = 0.25 * table[3] + 0.75 * table[7]                              # and is linear in the histogram
+    assert torch.allclose(superpose(0.25 * hist[0] + 0.75 * hist[1], table), mix, atol=1e-6)
+
+
+def test_normalise_scales_each_head_position_to_sqrt_d():
+    g = torch.randn(2, 3 * 4, 5, 8)                                      # H = 3 heads, O = 4 cursors
+    n = normalise(g, 3)
+    assert n.shape == (2, 3, 4, 5, 8)
+    assert torch.allclose(n.pow(2).sum((2, 4)), torch.full((2, 3, 5), 8.0), atol=1e-4)
+
+
+def test_position_scores_by_hand():
+    gq, gk, alpha = torch.randn(1, 2, 3, 4, 5), torch.randn(1, 2, 3, 4, 5), torch.randn(2, 3)
+    want = torch.zeros(1, 2, 4, 4)
+    for h in range(2):
+        for c in range(3):
+            want[0, h] += alpha[h, c].abs() * gq[0, h, c] @ gk[0, h, c].T
+    assert torch.allclose(position_scores(gq, gk, alpha), want / math.sqrt(15), atol=1e-5)
+
+
+def prism_cfg(causal=True, **opts):
+    return ModelConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=2, causal=causal, method="prism",
+                       opts={"prism_bins": 32, "prism_dim": 8, **opts})
+
+
+def test_hooks_write_position_streams_before_the_chosen_blocks():
+    torch.manual_seed(0)
+    hooks = PrismHooks(prism_cfg(prism_blocks=[1]))
+    h, ctx = torch.randn(2, 7, 32), {}
+    hooks.before_block(0, h, ctx)
+    assert "prism" not in ctx
+    hooks.before_block(1, h, ctx)
+    gq, gk = ctx["prism"]
+    assert gq.shape == gk.shape == (2, 2, 4, 7, 8)
+    assert torch.allclose(ctx["prism_hist"].sum(-1), torch.ones(2, 16, 7), atol=1e-5)
+    assert torch.allclose(1 + torch.nn.functional.softplus(hooks.gamma_raw), torch.full_like(hooks.gamma_raw, 2.0))
+
+
+def test_mu_one_is_plain_attention():
+    torch.manual_seed(0)
+    cfg = prism_cfg()
+    layer, hooks = PrismAttention(cfg), PrismHooks(cfg)
+    with torch.no_grad():
+        layer.mu_logit.fill_(50.0)                                       # mu = 1: content scores only
+    x, ctx = torch.randn(2, 6, 32), {}
+    hooks.before_block(0, x, ctx)
+    q, k, v = layer.qkv(x).view(2, 6, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(layer(x, ctx), layer.out(o.transpose(1, 2).reshape(2, 6, 32)), atol=1e-5)
+
+
+def test_alpha_gets_its_own_optimiser_group():
+    model = Model(prism_cfg())
+    (group,) = alpha_group(model, 1e-3)
+    assert group["lr"] == 0.03 and group["betas"] == (0.8, 0.92) and len(group["params"]) == 2   # one per layer
+
+
+def test_gru_hidden_matrix_is_orthogonal():
+    hooks = PrismHooks(prism_cfg())
+    w = hooks.gates[0].gru.weight_hh_l0                                  # (3 * 100, 100): orthonormal columns
+    assert torch.allclose(w.T @ w, torch.eye(100), atol=1e-4)
+
+
+def test_attention_without_hooks_is_an_error():
+    with pytest.raises(RuntimeError, match="needs ctx"):
+        PrismAttention(prism_cfg())(torch.randn(1, 3, 32), {})

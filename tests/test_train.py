@@ -66,7 +66,7 @@ def test_alibi_and_t5_biases():
     assert b[6] == 17 and b[7] == 31                                 # keys after the query: upper half
 
 
-@pytest.mark.parametrize("method", BASELINES + CAUSAL_ONLY)
+@pytest.mark.parametrize("method", BASELINES + CAUSAL_ONLY + ["prism"])
 def test_causal_models_never_look_ahead(method):
     torch.manual_seed(0)
     model = Model(ModelConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=2, method=method, causal=True)).eval()
@@ -78,7 +78,7 @@ def test_causal_models_never_look_ahead(method):
     assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
 
 
-@pytest.mark.parametrize("method", BASELINES + ["rpe", "upe"] + CAUSAL_ONLY)
+@pytest.mark.parametrize("method", BASELINES + ["rpe", "upe", "prism"] + CAUSAL_ONLY)
 def test_methods_learn_in_their_modes(method, tmp_path):
     """Forward and backward in causal and (where the method allows) bidirectional mode; the loss
     of a tiny model falls on copy (lengths 1-3) within 100 steps to under 0.45 of its initial
@@ -240,8 +240,6 @@ def run_cli(capsys, *args):
 @pytest.mark.parametrize("args,message", [
     (["--task", "nope", "--method", "rope"], "unknown task 'nope'; valid tasks: flipflop, a5"),
     (["--task", "copy", "--method", "magic"], "unknown method 'magic'; available methods: nope, ape, rope"),
-    (["--task", "copy", "--method", "prism"], "method 'prism' is not implemented in this checkout yet; available methods: nope"),
-    (["--task", "copy", "--methods", "rope,prism"], "method 'prism' is not implemented"),
     (["--task", "add_padded", "--method", "path"], "method 'path' is causal only; task 'add_padded' needs a bidirectional"),
     (["--task", "copy", "--method", "rope", "--test-lengths", "0,5"], "test length: task copy: length 0 is impossible"),
     (["--task", "scan", "--method", "rope", "--train-lengths", "23"], "no SCAN command has 23 actions"),
@@ -254,6 +252,15 @@ def run_cli(capsys, *args):
 def test_cli_errors_are_one_line(capsys, tmp_path, args, message):
     code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "runs"), "--device", "cpu")
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_method_missing_from_the_checkout(capsys, tmp_path, monkeypatch):
+    """A method of the spec whose file is absent gets its own message (simulated by removing one)."""
+    monkeypatch.delitem(METHODS, "prism")
+    for args in (["--method", "prism"], ["--methods", "rope,prism"]):
+        code, _, err = run_cli(capsys, "--task", "copy", *args, "--out", str(tmp_path / "runs"), "--device", "cpu")
+        assert code == 2 and "method 'prism' is not implemented in this checkout yet; available methods: nope" in err
     assert not (tmp_path / "runs").exists()
 
 

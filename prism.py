@@ -28,11 +28,15 @@ Usage:
     from prism import histogram_scan
     hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P)    # gates: (B, C, T) -> (B, C, T, P)
 
+    python train.py --method prism --task copy      # the layer: --method-opt prism_cursors / _bins / _dim / _blocks
+    python prism.py --plot runs/copy/prism          # cursor modes, gates and attention of a trained run
+
 Shapes: B batch, T time, C cursors, P histogram bins, d sinusoid width, H heads.
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -228,15 +232,20 @@ class PrismAttention(nn.Module):
             raise RuntimeError("PrismAttention needs ctx['prism'] from PrismHooks (use --method prism)")
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        o = self.weights(q, k, ctx).to(v.dtype) @ v
+        return self.out(o.transpose(1, 2).reshape(B, T, C))
+
+    def weights(self, q, k, ctx):
+        """Attention weights (B, H, T, T) from q, k: (B, H, T, D) and the position streams."""
+        T = q.shape[2]
         mu = torch.sigmoid(self.mu_logit)[:, None, None]
         content = (q @ k.transpose(-1, -2)).float() / self.D ** 0.5               # (B, H, T, T)
         logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
         if self.causal:
-            logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=x.device).tril(), -math.inf)
+            logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
         if ctx.get("key_mask") is not None:
             logits = logits.masked_fill(~ctx["key_mask"][:, None, None, :], -math.inf)
-        o = logits.softmax(-1).to(v.dtype) @ v
-        return self.out(o.transpose(1, 2).reshape(B, T, C))
+        return logits.softmax(-1)
 
 
 def alpha_group(model, base_lr):
@@ -246,3 +255,86 @@ def alpha_group(model, base_lr):
 
 
 METHODS = {"prism": {"attention": PrismAttention, "hooks": PrismHooks, "param_groups": alpha_group}}
+
+
+# =============================================================================================
+# Plots from a trained run (paper appendix B):  python prism.py --plot runs/copy/prism
+# =============================================================================================
+
+def plot_run(run_dir, length: int | None = None) -> Path:
+    """Cursor modes, gate probabilities and the first layer's attention on one example at an
+    out-of-distribution length (default: twice the longest training length). Writes
+    <run>/prism_plots.png. The model and task come from train.py / tasks.py: this script entry is
+    the one place where a method file imports them (at call time, never at import time)."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from tasks import TASKS
+    from train import Model, ModelConfig, batch_context
+
+    run_dir = Path(run_dir)
+    seeds = [run_dir] if (run_dir / "model.pt").exists() else sorted(run_dir.glob("seed*/"))
+    if not seeds or not (seeds[0] / "model.pt").exists():
+        raise FileNotFoundError(f"no trained model under {run_dir} (expected model.pt or seed*/model.pt)")
+    seed_dir = seeds[0]
+    meta = json.loads((seed_dir / "metrics.json").read_text())
+    if meta["method"] != "prism":
+        raise ValueError(f"{seed_dir} is a {meta['method']!r} run, not prism")
+    model = Model(ModelConfig(**meta["config"]["model"]))
+    model.load_state_dict(torch.load(seed_dir / "model.pt", map_location="cpu"))
+    model.eval()
+    task = TASKS[meta["task"]]
+    L = length or 2 * meta["train_max_length"]
+    batch = task.sample(1, L, np.random.default_rng(0), **meta["config"]["task_opts"])
+    ctx = batch_context(task, batch, "cpu")
+    with torch.no_grad():
+        h = model.hooks.embed(model.embed(batch.x), ctx)
+        model.hooks.before_block(0, h, ctx)
+        attn = model.blocks[0].attn
+        B, T, C = h.shape
+        q, k, _ = attn.qkv(model.blocks[0].norm1(h)).view(B, T, 3, attn.H, attn.D).permute(2, 0, 3, 1, 4)
+        weights = attn.weights(q, k, ctx)[0, 0]                               # head 0: (T, T)
+    O = model.hooks.O
+    modes = ctx["prism_hist"][0].argmax(-1)                                   # (2 H O, T)
+    p_reset, p_inc = ctx["prism_gates"][0][0], ctx["prism_gates"][1][0]        # (2 H O, T)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for c in range(O):
+        axes[0].plot(modes[c].numpy(), label=f"query cursor {c}")
+        axes[1].plot(p_reset[c].numpy(), label=f"reset {c}")
+        axes[1].plot(p_inc[c].numpy(), linestyle="--", label=f"inc {c}")
+    axes[0].set(title="histogram mode per token (head 0)", xlabel="token", ylabel="bin")
+    axes[1].set(title="gate probabilities (head 0)", xlabel="token", ylim=(0, 1))
+    axes[2].imshow(weights.numpy(), cmap="viridis")
+    axes[2].set(title=f"layer 1 head 0 attention, length {L}", xlabel="key", ylabel="query")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{meta['task']} / prism: {' '.join(task.decode(batch.x[0].tolist()))[:120]}", fontsize=8)
+    fig.tight_layout()
+    path = seed_dir.parent / "prism_plots.png" if seed_dir != run_dir else run_dir / "prism_plots.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description="PRISM plots from a trained run (paper appendix B)")
+    parser.add_argument("--plot", required=True, metavar="RUN_DIR", help="e.g. runs/copy/prism")
+    parser.add_argument("--length", type=int, help="example length (default: 2x the training maximum)")
+    args = parser.parse_args(argv)
+    try:
+        print(f"wrote {plot_run(args.plot, args.length)}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

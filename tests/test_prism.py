@@ -208,3 +208,15 @@ def test_gru_hidden_matrix_is_orthogonal():
 def test_attention_without_hooks_is_an_error():
     with pytest.raises(RuntimeError, match="needs ctx"):
         PrismAttention(prism_cfg())(torch.randn(1, 3, 32), {})
+
+
+def test_plot_cli(tmp_path, capsys):
+    from train import main as train_main
+
+    import prism as prism_module
+    assert train_main(["--task", "copy", "--method", "prism", "--steps", "3", "--n-eval", "2", "--test-lengths", "2",
+                       "--out", str(tmp_path), "--device", "cpu"]) == 0
+    assert prism_module.main(["--plot", str(tmp_path / "copy" / "prism"), "--length", "6"]) == 0
+    assert (tmp_path / "copy" / "prism" / "prism_plots.png").stat().st_size > 10_000
+    assert prism_module.main(["--plot", str(tmp_path / "nothing")]) == 2
+    assert "no trained model" in capsys.readouterr().err

@@ -181,10 +181,36 @@ class PrismGates(nn.Module):
         return torch.sigmoid(logits[..., 0]), move[..., 0], move[..., 1], move[..., 2]
 
 
+class CopyHead(nn.Module):
+    """The copy branch's p_copy (section 5.0.4): a causal attention row of query t over the earlier
+    tokens s <= t plus a "no copy" logit, one per head. Copying from token s jumps to the bin that
+    token's increment-only key cursor holds, s + 1 (clamped at P - 1). -> (B, H, T, P + 1)."""
+
+    def __init__(self, d_model: int, H: int, width: int = 32):
+        super().__init__()
+        self.H, self.width = H, width
+        self.qk = nn.Linear(d_model, 2 * H * width, bias=False)
+        self.null = nn.Linear(d_model, H)
+
+    def forward(self, h, P: int):
+        B, T, _ = h.shape
+        q, k = self.qk(h).float().view(B, T, 2, self.H, self.width).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, w)
+        scores = q @ k.transpose(-1, -2) / self.width ** 0.5                               # (B, H, T, T)
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=h.device).tril(), -math.inf)
+        null = self.null(h).float().transpose(1, 2)[..., None]                              # (B, H, T, 1)
+        p = torch.cat([scores, null], -1).softmax(-1)                                       # (B, H, T, T + 1)
+        bins = (torch.arange(T, device=h.device) + 1).clamp(max=P - 1)                      # key s -> bin s + 1
+        to_bins = torch.zeros(B, self.H, T, P, device=h.device).index_add(-1, bins, p[..., :T])
+        return torch.cat([to_bins, p[..., T:]], -1)                                         # (B, H, T, P + 1)
+
+
 class PrismHooks(nn.Module):
     """Computes the position streams before the chosen blocks and leaves them in ctx for every
     following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d); ctx["prism_hist"] and
-    ctx["prism_gates"] keep the histograms and gates for plots."""
+    ctx["prism_gates"] keep the histograms and gates for plots.
+
+    With prism_copy, query cursor 0 of every head gets the copy branch, and its paired key cursor
+    only increments (it holds the absolute position the copy jumps to), as in section 6.0.1."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -196,6 +222,8 @@ class PrismHooks(nn.Module):
         self.gates = nn.ModuleList(PrismGates(cfg.d_model, n) for _ in self.blocks)
         # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT
         self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
+        self.copy = bool(o.get("prism_copy", False))
+        self.copy_heads = nn.ModuleList(CopyHead(cfg.d_model, self.H) for _ in self.blocks) if self.copy else None
         self.register_buffer("table", sinusoid_table(self.P, self.d), persistent=False)
 
     def embed(self, h, ctx):
@@ -207,7 +235,22 @@ class PrismHooks(nn.Module):
         k = self.blocks.index(i)
         p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
         gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
-        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, self.P)   # (B, 2 H O, T, P)
+        p_copy = None
+        if self.copy:
+            n, O = self.H * self.O, self.O
+            qc = torch.arange(self.H, device=h.device) * O               # query cursor 0 of each head
+            kc = n + qc                                                  # and its key cursor
+            count = torch.zeros(2 * n, dtype=torch.bool, device=h.device)
+            count[kc] = True                                             # key copy cursors: increment only
+            one, zero = torch.ones_like(p_inc), torch.zeros_like(p_inc)
+            c = count[None, :, None]
+            p_reset, p_dec, p_keep = (torch.where(c, zero, x) for x in (p_reset, p_dec, p_keep))
+            p_inc = torch.where(c, one, p_inc)
+            B, T = h.shape[0], h.shape[1]
+            p_copy = torch.zeros(B, 2 * n, T, self.P + 1, device=h.device)
+            p_copy[..., self.P] = 1                                      # everyone else: never copy
+            p_copy = p_copy.index_copy(1, qc, self.copy_heads[k](h, self.P))
+        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, self.P, p_copy)   # (B, 2 H O, T, P)
         g = superpose(hist, self.table)                                 # (B, 2 H O, T, d)
         n = self.H * self.O
         ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))

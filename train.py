@@ -892,13 +892,14 @@ EXPERIMENTS: dict[str, Experiment] = {
                    opts={"prism_blocks": [0, 3], "prism_bins": 512}),
               dict(task="stack", method="prism", curriculum=True, n_layers=4,
                    opts={"prism_blocks": [0, 3], "prism_bins": 512}),
-              dict(task="dyn_str_cpy", method="prism", curriculum=True),
+              dict(task="dyn_str_cpy", method="prism", curriculum=True, opts={"prism_copy": True}),
               dict(task="mul_cot", method="prism", curriculum=True),
               dict(task="scan_cot", method="prism")],
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
         scaled="the GPU preset per task (3k steps; the paper: 150k); PRISM only (the figures' baselines are "
-               "the other experiments' APE runs); odds_first and stack recompute positions before blocks 1 and 4"),
+               "the other experiments' APE runs); odds_first and stack recompute positions before blocks 1 and 4; "
+               "dyn_str_cpy uses the copy branch"),
     "upe-add": Experiment(
         claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises (UPE paper section 3)",

@@ -220,3 +220,32 @@ def test_plot_cli(tmp_path, capsys):
     assert (tmp_path / "copy" / "prism" / "prism_plots.png").stat().st_size > 10_000
     assert prism_module.main(["--plot", str(tmp_path / "nothing")]) == 2
     assert "no trained model" in capsys.readouterr().err
+
+
+def test_copy_branch_in_the_model():
+    """prism_copy: the key copy cursors count tokens exactly; when the copy head puts all its weight
+    on token 2 at every step, the paired query cursor sits at that token's bin (3)."""
+    torch.manual_seed(0)
+    hooks = PrismHooks(prism_cfg(prism_copy=True))
+    h, ctx = torch.randn(1, 8, 32), {}
+    hooks.before_block(0, h, ctx)
+    modes = ctx["prism_hist"][0].argmax(-1)                              # (2 H O, T)
+    n = 2 * 4
+    assert modes[n].tolist() == list(range(1, 9)) and modes[n + 4].tolist() == list(range(1, 9))
+    head = hooks.copy_heads[0]
+    with torch.no_grad():
+        head.qk.weight.zero_()
+        head.null.weight.zero_()
+        head.null.bias.fill_(-1e4)                                       # always copy ...
+    original = head.forward
+
+    def onto_token_2(h, P):                                              # ... from token 2 only
+        p = original(h, P)
+        p.zero_()
+        p[..., 3] = 1
+        return p
+
+    head.forward = onto_token_2
+    ctx = {}
+    hooks.before_block(0, h, ctx)
+    assert ctx["prism_hist"][0, 0].argmax(-1).tolist() == [3] * 8        # query cursor 0 of head 0

@@ -26,6 +26,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
+DEVICE = "cuda"  # the tests build the cases on the CPU at tiny sizes
+
+
 def attention_flops(B, H, T, D, causal=True, backward=False):
     fwd = 4 * B * H * T * T * D / (2 if causal else 1)
     return fwd * (3.5 if backward else 1.0)
@@ -60,7 +63,7 @@ def path_cases(B, H, T, D, dtype):
     import path_attention as pa
     from kernels.path_attention import path_attention_triton
 
-    dev = "cuda"
+    dev = DEVICE
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
     w = F.normalize(torch.randn(B, H, T, D, device=dev), dim=-1).requires_grad_(True)
     beta = (2 * torch.rand(B, H, T, device=dev)).requires_grad_(True)
@@ -86,7 +89,7 @@ def vipe_cases(B, H, T, D, dtype):
     """ViPE as its layer calls it: value head D - 1, a code of 8 channels."""
     import vipe
 
-    dev = "cuda"
+    dev = DEVICE
     q, k = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(B, H, T, D - 1, device=dev, dtype=dtype, requires_grad=True)
     v_full = torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True)
@@ -114,7 +117,7 @@ def upe_cases(B, H, T, D, dtype, K=256, M=3):
     """UPE as in SPEC 8: bidirectional, clip K = 256, 3 uniform slots (the first keys)."""
     import upe
 
-    dev = "cuda"
+    dev = DEVICE
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
     rel = (0.1 * torch.randn(H, 2 * K + 1, D, device=dev, dtype=dtype)).requires_grad_(True)
     uni = (0.1 * torch.randn(H, M, D, device=dev, dtype=dtype)).requires_grad_(True)
@@ -142,7 +145,7 @@ def prism_cases(B, C, T, P, dtype):
     """PRISM's histogram scan, forward + backward through all gates (float32 state)."""
     import prism
 
-    dev = "cuda"
+    dev = DEVICE
     gates = [torch.rand(B, C, T, device=dev, requires_grad=True) for _ in range(4)]
     gamma = torch.full((B, C), 2.0, device=dev, requires_grad=True)
 

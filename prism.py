@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrizations import orthogonal
 
-BACKEND = None  # None = the fast path; "naive" forces the reference
+BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
 
 
 # =============================================================================================
@@ -114,10 +114,20 @@ def histogram_step(h, p_reset, p_inc, p_dec, p_keep, gamma, p_copy=None, eps: fl
 
 
 def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, eps: float = 1e-6):
-    """Same contract as `histogram_scan_naive`; the loop over T stays (each step needs the last)."""
-    if BACKEND == "naive":
+    """Same contract as `histogram_scan_naive`. On CUDA (no copy branch) the Triton scan of
+    kernels/prism_scan.py: one program per (batch, cursor), forward and backward; otherwise the
+    vectorised step in a loop over T (each step needs the last)."""
+    backend = BACKEND or ("triton" if p_reset.is_cuda and p_copy is None else "torch")
+    if backend == "naive":
         return histogram_scan_naive(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
-    return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
+    if backend == "triton":
+        if p_copy is not None:
+            raise ValueError("the Triton scan has no copy branch; use BACKEND = 'torch'")
+        from kernels.prism_scan import histogram_scan_triton
+        return histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P, eps)
+    if backend == "torch":
+        return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
+    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
 
 
 # =============================================================================================

@@ -149,14 +149,18 @@ def prism_cases(B, C, T, P, dtype):
     gates = [torch.rand(B, C, T, device=dev, requires_grad=True) for _ in range(4)]
     gamma = torch.full((B, C), 2.0, device=dev, requires_grad=True)
 
+    def triton_scan():
+        from kernels.prism_scan import histogram_scan_triton
+        return histogram_scan_triton(*gates, gamma, P)
+
     def fast():
-        return prism.histogram_scan(*gates, gamma, P)
+        return prism._scan(prism.histogram_step, *gates, gamma, P)
 
     def naive():
         return prism.histogram_scan_naive(*gates, gamma, P)
 
-    fast.inputs = naive.inputs = gates + [gamma]
-    cases = {"scan, vectorised step": fast}
+    triton_scan.inputs = fast.inputs = naive.inputs = gates + [gamma]
+    cases = {"scan, Triton": triton_scan, "scan, vectorised step": fast}
     if T <= 256:  # the naive step loops over the P bins in Python
         cases["scan, naive (Algorithm 1 per bin)"] = naive
     return cases

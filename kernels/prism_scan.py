@@ -1,0 +1,132 @@
+"""Triton kernels for PRISM's histogram scan (Algorithm 1 without the copy branch), forward and
+backward.
+
+One program per (batch, cursor) row walks the T tokens with the P-bin histogram in float32. The
+one-bin shifts of the stencil read the previous histogram back from global memory at offsets
+i - 1 and i + 1 (the row was just written by the same program; a barrier makes it visible), so the
+output (B*C, T + 1, P), whose row 0 is the one-hot start, doubles as the scan state.
+
+Backward: a reverse-time scan. For each step it recomputes the pre-sharpening histogram u from the
+stored previous histogram and the gates (cheap: one stencil), then goes back through the
+normalisation, the power gamma and the stencil; the stencil's transpose needs du at i + 1 and
+i - 1, read back from a per-row scratch row in the same way. The gradient of the previous
+histogram is carried to the next (earlier) step in registers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stencil(prev, prev_m1, prev_p1, rp, r, inc, dec, keep, P: tl.constexpr):
+    """u = (1 - r)(keep h + inc up(h) + dec down(h)) + the reset mass at bins 0 and 1."""
+    total = tl.sum(prev, 0)
+    up = prev_m1 + tl.where(rp == P - 1, prev, 0.0)          # mass moving up, clamped at P - 1
+    down = prev_p1 + tl.where(rp == 0, prev, 0.0)            # mass moving down, clamped at 0
+    moved = keep * prev + inc * up + dec * down
+    u = (1 - r) * moved + tl.where(rp == 0, total * r * (dec + keep), 0.0) + tl.where(rp == 1, total * r * inc, 0.0)
+    return u, up, down, moved, total
+
+
+@triton.jit
+def _fwd(R, INC, DEC, KEEP, GAMMA, HIST, T, eps, P: tl.constexpr, BP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rp = tl.arange(0, BP)
+    valid = rp < P
+    gamma = tl.load(GAMMA + row)
+    base = HIST + row * (T + 1) * P
+    tl.store(base + rp, tl.where(rp == 0, 1.0, 0.0), mask=valid)                      # one-hot start
+    for t in range(0, T):
+        tl.debug_barrier()
+        prev = tl.load(base + t * P + rp, mask=valid, other=0.0)
+        prev_m1 = tl.load(base + t * P + rp - 1, mask=valid & (rp >= 1), other=0.0)
+        prev_p1 = tl.load(base + t * P + rp + 1, mask=(rp + 1) < P, other=0.0)
+        g = row * T + t
+        u, _, _, _, _ = _stencil(prev, prev_m1, prev_p1, rp, tl.load(R + g), tl.load(INC + g), tl.load(DEC + g),
+                                 tl.load(KEEP + g), P)
+        s = tl.where(valid, tl.exp2(gamma * tl.log2(u + eps)), 0.0)                    # (u + eps)^gamma
+        tl.store(base + (t + 1) * P + rp, s / tl.sum(s, 0), mask=valid)
+
+
+@triton.jit
+def _bwd(R, INC, DEC, KEEP, GAMMA, HIST, DHIST, SCRATCH, DR, DINC, DDEC, DKEEP, DGAMMA, T, eps,
+         P: tl.constexpr, BP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rp = tl.arange(0, BP)
+    valid = rp < P
+    gamma = tl.load(GAMMA + row)
+    base = HIST + row * (T + 1) * P
+    scratch = SCRATCH + row * BP
+    carry = tl.zeros([BP], tl.float32)                      # dL/dh_t coming from step t + 1
+    dgamma = 0.0
+    for i in range(0, T):
+        t = T - 1 - i
+        g_idx = row * T + t
+        r, inc, dec, keep = tl.load(R + g_idx), tl.load(INC + g_idx), tl.load(DEC + g_idx), tl.load(KEEP + g_idx)
+        prev = tl.load(base + t * P + rp, mask=valid, other=0.0)
+        prev_m1 = tl.load(base + t * P + rp - 1, mask=valid & (rp >= 1), other=0.0)
+        prev_p1 = tl.load(base + t * P + rp + 1, mask=(rp + 1) < P, other=0.0)
+        u, up, down, moved, total = _stencil(prev, prev_m1, prev_p1, rp, r, inc, dec, keep, P)
+        a = u + eps
+        s = tl.where(valid, tl.exp2(gamma * tl.log2(a)), 0.0)
+        z = tl.sum(s, 0)
+        h = s / z
+        g = tl.load(DHIST + (row * T + t) * P + rp, mask=valid, other=0.0) + carry
+        ds = (g - tl.sum(g * h, 0)) / z                                                 # through s / sum(s)
+        dgamma += tl.sum(tl.where(valid, ds * s * tl.log(a), 0.0), 0)
+        du = tl.where(valid, ds * gamma * s / a, 0.0)                                   # through a^gamma
+        du0 = tl.sum(tl.where(rp == 0, du, 0.0), 0)
+        du1 = tl.sum(tl.where(rp == 1, du, 0.0), 0)
+        tl.store(DKEEP + g_idx, (1 - r) * tl.sum(du * prev, 0) + du0 * total * r)
+        tl.store(DINC + g_idx, (1 - r) * tl.sum(du * up, 0) + du1 * total * r)
+        tl.store(DDEC + g_idx, (1 - r) * tl.sum(du * down, 0) + du0 * total * r)
+        tl.store(DR + g_idx, -tl.sum(du * moved, 0) + du0 * total * (dec + keep) + du1 * total * inc)
+        # the stencil's transpose: h[j] went to j (keep), j + 1 (inc) and j - 1 (dec), clamped
+        tl.debug_barrier()
+        tl.store(scratch + rp, du, mask=valid)
+        tl.debug_barrier()
+        du_p1 = tl.load(scratch + rp + 1, mask=(rp + 1) < P, other=0.0)                 # du[j + 1]
+        du_m1 = tl.load(scratch + rp - 1, mask=valid & (rp >= 1), other=0.0)           # du[j - 1]
+        d_up = du_p1 + tl.where(rp == P - 1, du, 0.0)
+        d_down = du_m1 + tl.where(rp == 0, du, 0.0)
+        carry = (1 - r) * (keep * du + inc * d_up + dec * d_down) + du0 * r * (dec + keep) + du1 * r * inc
+        carry = tl.where(valid, carry, 0.0)
+    tl.store(DGAMMA + row, dgamma)
+
+
+class HistogramScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, inc, dec, keep, gamma, P, eps):
+        BC, T = r.shape
+        hist = torch.empty(BC, T + 1, P, device=r.device, dtype=torch.float32)
+        BP = triton.next_power_of_2(P)
+        _fwd[(BC,)](r, inc, dec, keep, gamma, hist, T, eps, P=P, BP=BP)
+        ctx.save_for_backward(r, inc, dec, keep, gamma, hist)
+        ctx.P, ctx.eps = P, eps
+        return hist[:, 1:]
+
+    @staticmethod
+    def backward(ctx, dhist):
+        r, inc, dec, keep, gamma, hist = ctx.saved_tensors
+        BC, T = r.shape
+        P, BP = ctx.P, triton.next_power_of_2(ctx.P)
+        grads = [torch.empty_like(r) for _ in range(4)]
+        dgamma = torch.empty_like(gamma)
+        scratch = torch.empty(BC, BP, device=r.device, dtype=torch.float32)
+        _bwd[(BC,)](r, inc, dec, keep, gamma, hist, dhist.contiguous().float(), scratch, *grads, dgamma, T, ctx.eps,
+                    P=P, BP=BP)
+        return (*grads, dgamma, None, None)
+
+
+def histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P: int, eps: float = 1e-6):
+    """prism.histogram_scan without the copy branch: gates (B, C, T), gamma broadcastable to (B, C)
+    -> (B, C, T, P) float32."""
+    B, C, T = p_reset.shape
+    if P < 2:
+        raise ValueError(f"a histogram needs at least 2 bins, got P={P}")
+    flat = lambda x: x.float().reshape(B * C, T).contiguous()  # noqa: E731
+    gamma = torch.as_tensor(gamma, device=p_reset.device).float().expand(B, C).reshape(B * C).contiguous()
+    hist = HistogramScan.apply(flat(p_reset), flat(p_inc), flat(p_dec), flat(p_keep), gamma, P, eps)
+    return hist.view(B, C, T, P)

@@ -185,7 +185,8 @@ class PrismGates(nn.Module):
     def forward(self, h):
         """h: (B, T, d_model) -> p_reset, p_inc, p_dec, p_keep: (B, n_cursors, T) float32."""
         B, T, _ = h.shape
-        out, _ = self.gru(h)
+        with torch.autocast(h.device.type, enabled=False):  # the recurrence in float32 (cuDNN wants one dtype)
+            out, _ = self.gru(h.float())
         logits = self.head(out).float().view(B, T, self.n, 4).permute(0, 2, 1, 3)   # (B, n, T, 4)
         move = logits[..., 1:].softmax(-1)
         return torch.sigmoid(logits[..., 0]), move[..., 0], move[..., 1], move[..., 2]
@@ -261,7 +262,8 @@ class PrismHooks(nn.Module):
             p_copy[..., self.P] = 1                                      # everyone else: never copy
             p_copy = p_copy.index_copy(1, qc, self.copy_heads[k](h, self.P))
         hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, self.P, p_copy)   # (B, 2 H O, T, P)
-        g = superpose(hist, self.table)                                 # (B, 2 H O, T, d)
+        with torch.autocast(h.device.type, enabled=False):  # float32: neighbouring bins differ by less
+            g = superpose(hist.float(), self.table)         # than bfloat16 resolves   (B, 2 H O, T, d)
         n = self.H * self.O
         ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
@@ -293,7 +295,8 @@ class PrismAttention(nn.Module):
         T = q.shape[2]
         mu = torch.sigmoid(self.mu_logit)[:, None, None]
         content = (q @ k.transpose(-1, -2)).float() / self.D ** 0.5               # (B, H, T, T)
-        logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
+        with torch.autocast(q.device.type, enabled=False):                        # float32, as above
+            logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
         if self.causal:
             logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
         if ctx.get("key_mask") is not None:

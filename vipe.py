@@ -61,6 +61,9 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
     """q, k: (B, H, T, D); v: (B, H, T, Dv); u: (H, D); w_p, b_p: (H, d_p) -> z: (B, H, T, Dv + d_p).
     rescale=False drops lambda (the value code alone); d_p = 0 drops the code (the rescaling alone)."""
     B, H, T, D = q.shape
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):                            # 16-bit: computed in float32
+        q, k, v = q.float(), k.float(), v.float()
     n = torch.arange(1, T + 1, device=q.device, dtype=q.dtype)              # 1-based positions
     logits = q @ k.transpose(-1, -2) / math.sqrt(D)                         # (B, H, T, T) base logits
     if rescale:
@@ -71,7 +74,7 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
     dist = (n[:, None] - n[None, :]) / s                                    # (T, T) compressed n - i
     codes = dist[None, :, :, None] * w_p[:, None, None, :] + b_p[:, None, None, :]  # (H, T, T, d_p)
     pos = torch.einsum("bhni,hnip->bhnp", a, codes)                         # (B, H, T, d_p)
-    return torch.cat([a @ v, pos], dim=-1)
+    return torch.cat([a @ v, pos.to(a.dtype)], dim=-1).to(dtype)
 
 
 # =============================================================================================

@@ -8,8 +8,9 @@ tables built by PyTorch (upe.py differentiates them with autograd):
 
 so no (T, T, D) or (T, T) tensor exists. Forward: one program per (query block, batch*head), online
 softmax over the key blocks. Backward: `_bwd_dkv` (per key block: dK, dV in registers) and `_bwd_dq`
-(per query block: dQ, and the table gradients dQR / dQC with atomic adds, because clipping sends
-many keys of one query to the same table entry). The caller pads T to the block with masked keys.
+(per query block: dQ and the table gradients dQR / dQC, no atomics: the program owns its query
+rows; the entries that clipping or slots share are summed in registers). The caller pads T to the
+block with masked keys.
 """
 from __future__ import annotations
 
@@ -20,14 +21,20 @@ import triton.language as tl
 
 @triton.jit
 def _logits(q, KP, TR, TC, SLOTB, MASKB, row, col, i_pos, j_pos, qk_scale,
-            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
             HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits of one (query block, key block) tile, masked; the table offsets and slots."""
     rd = tl.arange(0, D)
     k = tl.load(KP + col[:, None] * D + rd[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     off = tl.minimum(tl.maximum(i_pos[:, None] - j_pos[None, :], -K), K) + K          # (C, C)
-    t = tl.load(TR + row[:, None] * NR + off)
+    d0 = tl.min(i_pos) - tl.min(j_pos)                       # the tile spans i - j in d0 -+ (C - 1)
+    if d0 - (C - 1) >= K:                                    # whole tile clipped: one entry per row
+        t = tl.broadcast_to(tl.load(TR + row * NR + 2 * K)[:, None], (C, C))
+    elif d0 + (C - 1) <= -K:
+        t = tl.broadcast_to(tl.load(TR + row * NR)[:, None], (C, C))
+    else:                                                    # inside the clip band: gather
+        t = tl.load(TR + row[:, None] * NR + off)
     sl = tl.load(SLOTB + j_pos)                                                         # (C,) key slots
     if HAS_UNI:
         tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :])
@@ -56,7 +63,7 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
         s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, bh * T + j_pos, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+                          qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
         mnew = tl.maximum(mx, tl.max(s, 1))
         m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
         alpha = tl.exp2(mx - m_safe)
@@ -71,8 +78,11 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
 
 @triton.jit
 def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale, scale,
-            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-            HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+            NR: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+            C: tl.constexpr, HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    """dQ and the table gradients of one query block, without atomics: inside the clip band each
+    (query, offset) entry of dQR comes from exactly one key, so it is stored directly; the two clipped
+    entries (offsets -K and K) and the slot entries dQC are summed in registers and stored once."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b = bh // H
     rc, rd = tl.arange(0, C), tl.arange(0, D)
@@ -83,25 +93,34 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
     lse = tl.load(LSE + row)
     delta = tl.load(DELTA + row)
     dq = tl.zeros([C, D], tl.float32)
+    d_lo = tl.zeros([C], tl.float32)                     # dQR[:, 0]:  i - j <= -K
+    d_hi = tl.zeros([C], tl.float32)                     # dQR[:, 2K]: i - j >= K
+    rm = tl.arange(0, NCP)
+    d_uni = tl.zeros([C, NCP], tl.float32)               # dQC
     n_keys = (i + 1) * C if CAUSAL else T
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
         col = bh * T + j_pos
         s, off, sl = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                             qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+                             qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
         p = tl.exp2(s - lse[:, None])
         v = tl.load(V + col[:, None] * D + rd[None, :])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
         k = tl.load(KP + col[:, None] * D + rd[None, :])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        rel = sl[None, :] < 0
         if HAS_UNI:
-            tl.atomic_add(DTC + row[:, None] * NC + tl.maximum(sl, 0)[None, :], ds,
-                          mask=(sl[None, :] >= 0) & (p > 0))
-        else:
-            rel = rel | (sl[None, :] >= 0)
-        tl.atomic_add(DTR + row[:, None] * NR + off, ds, mask=rel & (p > 0))
+            for m in tl.static_range(NC):
+                dm = tl.sum(tl.where(sl[None, :] == m, ds, 0.0), 1)                       # (C,)
+                d_uni += tl.where(rm[None, :] == m, dm[:, None], 0.0)
+            ds = tl.where(sl[None, :] < 0, ds, 0.0)      # keys with a slot use no relative vector
+        d_lo += tl.sum(tl.where(off == 0, ds, 0.0), 1)
+        d_hi += tl.sum(tl.where(off == 2 * K, ds, 0.0), 1)
+        tl.store(DTR + row[:, None] * NR + off, ds, mask=(off > 0) & (off < 2 * K))
     tl.store(DQ + row[:, None] * D + rd[None, :], dq)
+    tl.store(DTR + row * NR, d_lo)
+    tl.store(DTR + row * NR + 2 * K, d_hi)
+    if HAS_UNI:
+        tl.store(DTC + row[:, None] * NC + rm[None, :], d_uni, mask=rm[None, :] < NC)
 
 
 @triton.jit
@@ -122,7 +141,7 @@ def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scal
         row = bh * T + i_pos
         q = tl.load(Q + row[:, None] * D + rd[None, :])
         s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, HAS_UNI, CAUSAL, PREC)
+                          qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
         p = tl.exp2(s - tl.load(LSE + row)[:, None])
         do = tl.load(DO + row[:, None] * D + rd[None, :])
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
@@ -157,7 +176,9 @@ class UPEFlash(torch.autograd.Function):
         dq, dk, dv = (torch.empty(BH, T, D, device=q.device, dtype=torch.float32) for _ in range(3))
         dtr, dtc = torch.zeros_like(tr), torch.zeros_like(tc)
         args = (T, H, scale * 1.4426950408889634, scale)
-        _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dq, dtr, dtc, *args, **meta)
+        ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
+        _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dq, dtr, dtc, *args,
+                                      NCP=ncp, **meta)
         _bwd_dkv[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dk, dv, *args, **meta)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtr, dtc if ctx.has_uni else None,
                 None, None, None, None, None, None, None)

@@ -1167,6 +1167,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
+    tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
         for cfg in cfgs:
@@ -1182,6 +1183,10 @@ def reproduce(args, device: str, preset_name: str) -> int:
         if EXPERIMENTS[name].sweep:
             print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
         print(table)
+        tables.append(table)
+    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
+        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
+        print(f"wrote {out / 'reproduce' / 'all.md'}")
     return 0
 
 

@@ -349,6 +349,20 @@ def test_reproduce_sweep_figure(capsys, tmp_path, monkeypatch):
     assert "| copy/rope-L2 | this repo |" in (out / "reproduce" / "sweep.md").read_text()
 
 
+def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
+    tiny = dict(task="copy", steps=3, batch_size=8, d_model=32, n_layers=1, n_heads=2, n_eval=8,
+                train_lengths=[1, 2], test_lengths=[2])
+    exps = {name: train.Experiment(claim=f"claim {name}", runs=[dict(tiny, method=m)], paper={}, scaled="tiny",
+                                   columns=[("len 2", (2, 2), "exact")]) for name, m in (("one", "nope"), ("two", "rope"))}
+    monkeypatch.setattr(train, "EXPERIMENTS", exps)
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, "--reproduce", "all", "--out", str(out), "--device", "cpu")
+    assert code == 0
+    text = (out / "reproduce" / "all.md").read_text()
+    assert text.index("### one") < text.index("### two")
+    assert "| copy/nope | this repo |" in text and "| copy/rope | this repo |" in text
+
+
 def test_registry_covers_the_spec():
     assert set(BASELINES) <= set(METHODS) <= set(train.ALL_METHODS)
     for name, exp in train.EXPERIMENTS.items():

@@ -88,7 +88,9 @@ def attention_with_mean_position(q, k, v, scale: float):
     Dv = v.shape[-1]
     idx = torch.arange(T, device=v.device, dtype=v.dtype).expand(B, H, T)[..., None]  # (B, H, T, 1)
     width = D if Dv + 1 <= D else 8 * math.ceil((Dv + 1) / 8)  # one width for q, k and v (+) i
-    vi = F.pad(torch.cat([v, idx], dim=-1), (0, width - Dv - 1))           # (B, H, T, width)
+    vi = torch.cat([v, idx], dim=-1)                                        # (B, H, T, Dv + 1)
+    if width > Dv + 1:
+        vi = F.pad(vi, (0, width - Dv - 1))                                 # (B, H, T, width)
     if width > D:  # zero channels change no logit
         q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))
     out = F.scaled_dot_product_attention(q, k, vi, is_causal=True, scale=scale)
@@ -104,7 +106,7 @@ def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
     if rescale:
         n = torch.arange(1, T + 1, device=q.device, dtype=f)
         q = q * (s * torch.log(n)).to(q.dtype)[:, None]                     # per-query factor
-        k = k * (1 + (k * u[:, None, :].to(k.dtype)).sum(-1, keepdim=True))  # per-key factor
+        k = k * (1 + k @ u[:, :, None].to(k.dtype))                         # per-key factor (B, H, T, 1)
     o, mean_i = attention_with_mean_position(q, k, v, D ** -0.5)
     if w_p.shape[-1] == 0:
         return o

@@ -220,6 +220,25 @@ def test_hooks_write_position_streams_before_the_chosen_blocks():
     assert torch.allclose(1 + torch.nn.functional.softplus(hooks.gamma_raw), torch.full_like(hooks.gamma_raw, 2.0))
 
 
+def test_position_path_stays_float32_under_bf16_autocast():
+    """Neighbouring bins' scores differ by less than bfloat16 resolves: under autocast the
+    superposition and the position scores still run in float32 (the gates may be bf16)."""
+    torch.manual_seed(0)
+    cfg = prism_cfg()
+    layer, hooks = PrismAttention(cfg), PrismHooks(cfg)
+    with torch.no_grad():
+        layer.mu_logit.fill_(-50.0)                                      # mu = 0: position scores only
+    x, ctx = torch.randn(2, 9, 32), {}
+    q, k, _ = layer.qkv(x).view(2, 9, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hooks.before_block(0, x, ctx)
+        got = layer.weights(q, k, ctx)
+    g = superpose(ctx["prism_hist"].float(), hooks.table)                 # the same histograms in float32
+    assert ctx["prism"][0].dtype == torch.float32 and got.dtype == torch.float32
+    assert torch.allclose(ctx["prism"][0], normalise(g[:, :8], 2), atol=1e-6)
+    assert torch.allclose(got, layer.weights(q, k, ctx), atol=1e-6)
+
+
 def test_mu_one_is_plain_attention():
     torch.manual_seed(0)
     cfg = prism_cfg()

@@ -80,6 +80,17 @@ def test_fast_matches_naive_float32(T):
     check(run(vipe_attention, xs, dz, s=2.0), ref, 1e-4)
 
 
+def test_naive_takes_16_bit_inputs():
+    """bf16 q, k, v (as under autocast) with float32 u, W_p, b_p: computed in float32, returned in
+    bf16, within bf16 rounding of the float64 result."""
+    q, k, v, u, w_p, b_p = (x.detach() for x in make_inputs(1, 2, 40, 16, 15, 4, seed=5))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = vipe_attention_naive(q, k, v, u.float(), w_p.float(), b_p.float(), s=2.0)
+    want = vipe_attention_naive(q.double(), k.double(), v.double(), u, w_p, b_p, s=2.0)  # same inputs, float64
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)   # the bf16 rounding of the output
+
+
 def test_value_code_alone_and_rescaling_alone():
     q, k, v, u, w_p, b_p = (x.detach() for x in make_inputs(2, 2, 9, 8, 7, 3))
     plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -169,6 +169,7 @@ def position_scores(gq, gk, alpha):
 # =============================================================================================
 
 GAMMA_INIT = 2.0
+ALPHA_INIT = 8.0   # see PrismAttention
 
 
 class PrismGates(nn.Module):
@@ -271,7 +272,14 @@ class PrismHooks(nn.Module):
 
 class PrismAttention(nn.Module):
     """a_ts = mu_h <q_t, k_s> / sqrt(D) + (1 - mu_h) sum_c |alpha_{h,c}| <g_q, g_k> / sqrt(O d)
-    (eq. 8), mu_h = sigmoid(learned), causal or bidirectional with a key padding mask."""
+    (eq. 8), mu_h = sigmoid(learned), causal or bidirectional with a key padding mask.
+
+    alpha starts at ALPHA_INIT = 8 (option prism_alpha). The paper does not give its initial value.
+    With d = 32 the inner product of two superposed vectors falls off slowly around its peak, so at
+    alpha = 1 the position scores barely separate neighbouring keys; short training lengths can be
+    fitted with that blurred attention, and it fails as soon as there are more keys to tell apart.
+    Measured on copy (CPU preset, 300 steps): exact match 0.61 on lengths 10-18 and 0 past 63 with
+    alpha = 1, 1.00 on 10-18 and >= 0.997 up to 100 with alpha = 8."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -280,7 +288,8 @@ class PrismAttention(nn.Module):
         self.qkv = nn.Linear(C, 3 * C, bias=False)
         self.out = nn.Linear(C, C, bias=False)
         self.mu_logit = nn.Parameter(torch.zeros(H))                     # mu = 0.5 at the start
-        self.alpha = nn.Parameter(torch.ones(H, int(cfg.opts.get("prism_cursors", 4))))
+        O, alpha = int(cfg.opts.get("prism_cursors", 4)), float(cfg.opts.get("prism_alpha", ALPHA_INIT))
+        self.alpha = nn.Parameter(torch.full((H, O), alpha))             # cursor scales (own AdamW group)
 
     def forward(self, x, ctx):
         if "prism" not in ctx:

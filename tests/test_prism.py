@@ -252,6 +252,11 @@ def test_mu_one_is_plain_attention():
     assert torch.allclose(layer(x, ctx), layer.out(o.transpose(1, 2).reshape(2, 6, 32)), atol=1e-5)
 
 
+def test_alpha_starts_at_eight_unless_asked():
+    assert torch.equal(PrismAttention(prism_cfg()).alpha, torch.full((2, 4), 8.0))
+    assert torch.equal(PrismAttention(prism_cfg(prism_alpha=2)).alpha, torch.full((2, 4), 2.0))
+
+
 def test_alpha_gets_its_own_optimiser_group():
     model = Model(prism_cfg())
     (group,) = alpha_group(model, 1e-3)

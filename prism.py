@@ -28,7 +28,8 @@ Usage:
     from prism import histogram_scan
     hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P)    # gates: (B, C, T) -> (B, C, T, P)
 
-    python train.py --method prism --task copy      # the layer: --method-opt prism_cursors / _bins / _dim / _blocks
+    python train.py --method prism --task copy      # options: --method-opt prism_cursors / _bins / _dim / _blocks
+                                                    #   / _alpha (initial alpha, 8) / _copy
     python prism.py --plot runs/copy/prism          # cursor modes, gates and attention of a trained run
 
 Shapes: B batch, T time, C cursors, P histogram bins, d sinusoid width, H heads.

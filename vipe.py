@@ -25,10 +25,12 @@ one, the positional part of z_n is
 
 so one extra value channel holding i gives it: z_n = (a v)_n (+) (W_p (n - (a i)_n) / s + b_p).
 `vipe_attention` calls SDPA once with v (+) i. SDPA's fast (flash) kernels want the value head dim
-equal to the query head dim; with one more channel it falls back to a much slower kernel (SPEC 7.3).
-So v (+) i is zero-padded to D channels when Dv < D, and the layer uses a value head of D - 1
-channels so that v (+) i is exactly D wide. (Under bf16 autocast the channel i is rounded like any
-bf16 value: E_n[i] carries a relative error of about 2^-8; float32 is exact.)
+equal to the query head dim; with one more channel it falls back to a much slower kernel. So
+v (+) i is zero-padded to D channels when Dv < D, and the layer uses a value head of D - 1
+channels so that v (+) i is exactly D wide. On CUDA the scaling, the appended channel and the code
+are two small Triton kernels each way around that SDPA call (kernels/vipe_attention.py); as PyTorch
+ops they cost more than half the attention's own time. (Under bf16 autocast the channel i is
+rounded like any bf16 value: E_n[i] carries a relative error of about 2^-8; float32 is exact.)
 
 Usage:
 
@@ -49,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKEND = None  # None = the fast path; "naive" forces the reference (tests, ablations)
+BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
 
 
@@ -81,26 +83,27 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
 # Fast path: one fused attention call with the key index as an extra value channel
 # =============================================================================================
 
+def sdpa_width(D: int, Dv: int) -> int:
+    """The one head width for q, k and v (+) i: D when v (+) i fits (the layer's value head is D - 1),
+    else the next multiple of 8, so that SDPA keeps a fused kernel (zero channels change nothing)."""
+    return D if Dv + 1 <= D else 8 * math.ceil((Dv + 1) / 8)
+
+
 def attention_with_mean_position(q, k, v, scale: float):
     """Causal softmax attention that also returns E_n[i] = sum_i a_ni i (0-based i), in one SDPA
-    call: v (+) i, zero-padded so that SDPA keeps a fused kernel. -> ((B, H, T, Dv), (B, H, T))."""
+    call on v (+) i. -> ((B, H, T, Dv), (B, H, T))."""
     B, H, T, D = q.shape
     Dv = v.shape[-1]
+    width = sdpa_width(D, Dv)
     idx = torch.arange(T, device=v.device, dtype=v.dtype).expand(B, H, T)[..., None]  # (B, H, T, 1)
-    width = D if Dv + 1 <= D else 8 * math.ceil((Dv + 1) / 8)  # one width for q, k and v (+) i
-    vi = torch.cat([v, idx], dim=-1)                                        # (B, H, T, Dv + 1)
-    if width > Dv + 1:
-        vi = F.pad(vi, (0, width - Dv - 1))                                 # (B, H, T, width)
-    if width > D:  # zero channels change no logit
-        q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))
+    vi = F.pad(torch.cat([v, idx], dim=-1), (0, width - Dv - 1))            # (B, H, T, width)
+    q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))               # (B, H, T, width)
     out = F.scaled_dot_product_attention(q, k, vi, is_causal=True, scale=scale)
     return out[..., :Dv], out[..., Dv]
 
 
-def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
-    """ViPE attention, same contract as `vipe_attention_naive` (exact, see the module docstring)."""
-    if BACKEND == "naive":
-        return vipe_attention_naive(q, k, v, u, w_p, b_p, s, rescale)
+def vipe_attention_torch(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+    """The fast path in PyTorch ops (the CPU backend; float64 anywhere)."""
     B, H, T, D = q.shape
     f = torch.promote_types(q.dtype, torch.float32)                         # float64 stays float64
     if rescale:
@@ -114,6 +117,34 @@ def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
     dist = (n0 - mean_i.to(f)) / s                                        # (B, H, T) n - E[i]
     pos = dist[..., None] * w_p[:, None, :] + b_p[:, None, :]               # (B, H, T, d_p)
     return torch.cat([o, pos.to(o.dtype)], dim=-1)
+
+
+def vipe_attention_triton(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+    """The same SDPA call with the work around it in two Triton kernels each way
+    (kernels/vipe_attention.py): no cat, slice or extra elementwise pass."""
+    from kernels.vipe_attention import PositionCode, RescaleAppendIndex
+
+    D, Dv = q.shape[-1], v.shape[-1]
+    q, k, vi = RescaleAppendIndex.apply(q, k, v, u, s, rescale, sdpa_width(D, Dv))  # 3 x (B, H, T, width)
+    o = F.scaled_dot_product_attention(q, k, vi, is_causal=True, scale=D ** -0.5)     # o[..., Dv] = E_n[i]
+    if w_p.shape[-1] == 0:
+        return o[..., :Dv]
+    return PositionCode.apply(o, w_p, b_p, Dv, s)                          # (B, H, T, Dv + d_p)
+
+
+def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+    """ViPE attention, same contract as `vipe_attention_naive` (exact, see the module docstring).
+    Triton around SDPA on CUDA (float32 and 16-bit), the PyTorch ops elsewhere."""
+    backend = BACKEND
+    if backend is None:
+        backend = "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"
+    if backend == "naive":
+        return vipe_attention_naive(q, k, v, u, w_p, b_p, s, rescale)
+    if backend == "torch":
+        return vipe_attention_torch(q, k, v, u, w_p, b_p, s, rescale)
+    if backend == "triton":
+        return vipe_attention_triton(q, k, v, u, w_p, b_p, s, rescale)
+    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
 
 
 # =============================================================================================

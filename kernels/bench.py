@@ -100,14 +100,17 @@ def vipe_cases(B, H, T, D, dtype):
         return F.scaled_dot_product_attention(q, k, v_full, is_causal=True)
 
     def fast():
-        return vipe.vipe_attention(q, k, v, u, w_p, b_p, s=2.0)
+        return vipe.vipe_attention_triton(q, k, v, u, w_p, b_p, s=2.0)
+
+    def torch_ops():
+        return vipe.vipe_attention_torch(q, k, v, u, w_p, b_p, s=2.0)
 
     def naive():
         return vipe.vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0)
 
     sdpa.inputs = [q, k, v_full]
-    fast.inputs = naive.inputs = [q, k, v, u, w_p, b_p]
-    cases = {"SDPA (no PE)": sdpa, "ViPE fast (SDPA, v + i)": fast}
+    fast.inputs = torch_ops.inputs = naive.inputs = [q, k, v, u, w_p, b_p]
+    cases = {"SDPA (no PE)": sdpa, "ViPE Triton + SDPA": fast, "ViPE PyTorch ops + SDPA": torch_ops}
     if T <= 1024:  # the naive path holds (B, H, T, T, d_p) codes
         cases["ViPE naive"] = naive
     return cases

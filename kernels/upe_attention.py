@@ -37,8 +37,9 @@ def _logits(q, KP, TR, TC, SLOTB, MASKB, row, col, i_pos, j_pos, qk_scale,
         t = tl.load(TR + row[:, None] * NR + off)
     sl = tl.load(SLOTB + j_pos)                                                         # (C,) key slots
     if HAS_UNI:
-        tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :])
-        t = tl.where(sl[None, :] >= 0, tc, t)
+        if tl.max(sl, 0) >= 0:                               # only tiles holding slot keys read QC
+            tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :])
+            t = tl.where(sl[None, :] >= 0, tc, t)
     s = (s + t) * qk_scale
     ok = (tl.load(MASKB + j_pos) != 0)[None, :] & (i_pos[:, None] >= 0)
     if CAUSAL:
@@ -109,13 +110,20 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
         k = tl.load(KP + col[:, None] * D + rd[None, :])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if HAS_UNI:
-            for m in tl.static_range(NC):
-                dm = tl.sum(tl.where(sl[None, :] == m, ds, 0.0), 1)                       # (C,)
-                d_uni += tl.where(rm[None, :] == m, dm[:, None], 0.0)
-            ds = tl.where(sl[None, :] < 0, ds, 0.0)      # keys with a slot use no relative vector
-        d_lo += tl.sum(tl.where(off == 0, ds, 0.0), 1)
-        d_hi += tl.sum(tl.where(off == 2 * K, ds, 0.0), 1)
-        tl.store(DTR + row[:, None] * NR + off, ds, mask=(off > 0) & (off < 2 * K))
+            if tl.max(sl, 0) >= 0:                       # this tile holds slot keys
+                for m in tl.static_range(NC):
+                    dm = tl.sum(tl.where(sl[None, :] == m, ds, 0.0), 1)                   # (C,)
+                    d_uni += tl.where(rm[None, :] == m, dm[:, None], 0.0)
+                ds = tl.where(sl[None, :] < 0, ds, 0.0)  # keys with a slot use no relative vector
+        d0 = i * C - j0                                  # the tile spans i - j in d0 -+ (C - 1)
+        if d0 - (C - 1) >= K:                            # whole tile clipped at +K
+            d_hi += tl.sum(ds, 1)
+        elif d0 + (C - 1) <= -K:                         # whole tile clipped at -K
+            d_lo += tl.sum(ds, 1)
+        else:
+            d_lo += tl.sum(tl.where(off == 0, ds, 0.0), 1)
+            d_hi += tl.sum(tl.where(off == 2 * K, ds, 0.0), 1)
+            tl.store(DTR + row[:, None] * NR + off, ds, mask=(off > 0) & (off < 2 * K))
     tl.store(DQ + row[:, None] * D + rd[None, :], dq)
     tl.store(DTR + row * NR, d_lo)
     tl.store(DTR + row * NR + 2 * K, d_hi)

@@ -20,37 +20,44 @@ import triton.language as tl
 
 
 @triton.jit
+def _offset(i_pos, j_pos, K: tl.constexpr):
+    """The table column of each (query, key) pair: clip(i - j, -K, K) + K."""
+    return tl.minimum(tl.maximum(i_pos[:, None] - j_pos[None, :], -K), K) + K
+
+
+@triton.jit
 def _logits(q, KP, TR, TC, SLOTB, MASKB, row, col, i_pos, j_pos, qk_scale,
             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-            HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 logits of one (query block, key block) tile, masked; the table offsets and slots."""
+            HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 logits of one (query block, key block) tile, masked, and the key slots."""
     rd = tl.arange(0, D)
     k = tl.load(KP + col[:, None] * D + rd[None, :])
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    off = tl.minimum(tl.maximum(i_pos[:, None] - j_pos[None, :], -K), K) + K          # (C, C)
     d0 = tl.min(i_pos) - tl.min(j_pos)                       # the tile spans i - j in d0 -+ (C - 1)
     if d0 - (C - 1) >= K:                                    # whole tile clipped: one entry per row
-        t = tl.broadcast_to(tl.load(TR + row * NR + 2 * K)[:, None], (C, C))
+        t = tl.broadcast_to(tl.load(TR + row * NR + 2 * K).to(tl.float32)[:, None], (C, C))
     elif d0 + (C - 1) <= -K:
-        t = tl.broadcast_to(tl.load(TR + row * NR)[:, None], (C, C))
+        t = tl.broadcast_to(tl.load(TR + row * NR).to(tl.float32)[:, None], (C, C))
     else:                                                    # inside the clip band: gather
-        t = tl.load(TR + row[:, None] * NR + off)
+        t = tl.load(TR + row[:, None] * NR + _offset(i_pos, j_pos, K)).to(tl.float32)
     sl = tl.load(SLOTB + j_pos)                                                         # (C,) key slots
     if HAS_UNI:
         if tl.max(sl, 0) >= 0:                               # only tiles holding slot keys read QC
-            tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :])
+            tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :]).to(tl.float32)
             t = tl.where(sl[None, :] >= 0, tc, t)
     s = (s + t) * qk_scale
-    ok = (tl.load(MASKB + j_pos) != 0)[None, :] & (i_pos[:, None] >= 0)
+    if HAS_MASK:                                             # a key padding mask or padded keys
+        s = tl.where((tl.load(MASKB + j_pos) != 0)[None, :], s, float("-inf"))
     if CAUSAL:
-        ok = ok & (j_pos[None, :] <= i_pos[:, None])
-    return tl.where(ok, s, float("-inf")), off, sl
+        s = tl.where(j_pos[None, :] <= i_pos[:, None], s, float("-inf"))
+    return s, sl
 
 
 @triton.jit
 def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
          NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-         HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+         HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr,
+         CAUSAL: tl.constexpr, PREC: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b = bh // H
     rc, rd = tl.arange(0, C), tl.arange(0, D)
@@ -63,8 +70,8 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
     n_keys = (i + 1) * C if CAUSAL else T
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
-        s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, bh * T + j_pos, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
+        s, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, bh * T + j_pos, i_pos, j_pos,
+                          qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         mnew = tl.maximum(mx, tl.max(s, 1))
         m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
         alpha = tl.exp2(mx - m_safe)
@@ -80,7 +87,8 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
 @triton.jit
 def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale, scale,
             NR: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-            C: tl.constexpr, HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+            C: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr,
+         CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """dQ and the table gradients of one query block, without atomics: inside the clip band each
     (query, offset) entry of dQR comes from exactly one key, so it is stored directly; the two clipped
     entries (offsets -K and K) and the slot entries dQC are summed in registers and stored once."""
@@ -102,8 +110,8 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
         col = bh * T + j_pos
-        s, off, sl = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                             qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
+        s, sl = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
+                             qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         p = tl.exp2(s - lse[:, None])
         v = tl.load(V + col[:, None] * D + rd[None, :])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
@@ -121,6 +129,7 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
         elif d0 + (C - 1) <= -K:                         # whole tile clipped at -K
             d_lo += tl.sum(ds, 1)
         else:
+            off = _offset(i_pos, j_pos, K)               # (C, C)
             d_lo += tl.sum(tl.where(off == 0, ds, 0.0), 1)
             d_hi += tl.sum(tl.where(off == 2 * K, ds, 0.0), 1)
             tl.store(DTR + row[:, None] * NR + off, ds, mask=(off > 0) & (off < 2 * K))
@@ -134,7 +143,8 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
 @triton.jit
 def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scale, scale,
              NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
-             HAS_UNI: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+             HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr,
+         CAUSAL: tl.constexpr, PREC: tl.constexpr):
     j, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b = bh // H
     rc, rd = tl.arange(0, C), tl.arange(0, D)
@@ -148,8 +158,8 @@ def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scal
         i_pos = i0 + rc
         row = bh * T + i_pos
         q = tl.load(Q + row[:, None] * D + rd[None, :])
-        s, _, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, C, HAS_UNI, CAUSAL, PREC)
+        s, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
+                          qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         p = tl.exp2(s - tl.load(LSE + row)[:, None])
         do = tl.load(DO + row[:, None] * D + rd[None, :])
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
@@ -161,14 +171,15 @@ def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scal
 
 class UPEFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, tr, tc, slot, mask, H, K, scale, causal, C):
+    def forward(ctx, q, k, v, tr, tc, slot, mask, has_mask, H, K, scale, causal, C):
         BH, T, D = q.shape
         has_uni = tc is not None
         prec = "ieee" if q.dtype == torch.float32 else None
         o = torch.empty_like(q)
         lse = torch.empty(BH, T, device=q.device, dtype=torch.float32)
         tc_ = tc if has_uni else tr
-        meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, C=C, HAS_UNI=has_uni, CAUSAL=causal, PREC=prec)
+        meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, C=C, HAS_UNI=has_uni, HAS_MASK=has_mask,
+                    CAUSAL=causal, PREC=prec)
         _fwd[(T // C, BH)](q, k, v, tr, tc_, slot, mask, o, lse, T, H, scale * 1.4426950408889634, **meta)
         ctx.save_for_backward(q, k, v, tr, tc_, slot, mask, o, lse)
         ctx.meta, ctx.H, ctx.scale, ctx.has_uni = meta, H, scale, has_uni
@@ -189,12 +200,12 @@ class UPEFlash(torch.autograd.Function):
                                       NCP=ncp, **meta)
         _bwd_dkv[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dk, dv, *args, **meta)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtr, dtc if ctx.has_uni else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
-    """Same contract as upe.upe_attention_naive. The tables q R^T and q C^T are built here in
-    float32 (autograd carries their gradient to q, R and C)."""
+    """Same contract as upe.upe_attention_naive. The tables q R^T and q C^T are built here
+    (autograd carries their gradient to q, R and C)."""
     B, H, T, D = q.shape
     if D not in (16, 32, 64, 128):
         raise ValueError(f"the UPE Triton kernel takes head dims 16, 32, 64 or 128, got {D}")
@@ -207,11 +218,14 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     slot_ = torch.full((B, T), -1, dtype=torch.long, device=q.device) if slot is None else slot
     slot_ = torch.nn.functional.pad(slot_, (0, pad), value=-1).to(torch.int32).contiguous()
     qp, kp, vp = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    f32 = torch.float32
-    tr = (qp.to(f32) @ rel.to(f32).transpose(-1, -2)[None]).reshape(B * H, Tp, 2 * K + 1).contiguous()
+    # bf16 inputs get bf16 tables (their rounding is that of the bf16 q.k products; half the traffic),
+    # everything else float32
+    tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    tr = (qp.to(tdt) @ rel.to(tdt).transpose(-1, -2)[None]).reshape(B * H, Tp, 2 * K + 1).contiguous()
     tc = None
     if uni is not None and slot is not None:
-        tc = (qp.to(f32) @ uni.to(f32).transpose(-1, -2)[None]).reshape(B * H, Tp, uni.shape[1]).contiguous()
+        tc = (qp.to(tdt) @ uni.to(tdt).transpose(-1, -2)[None]).reshape(B * H, Tp, uni.shape[1]).contiguous()
     flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
-    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), tr, tc, slot_, mask, H, K, D ** -0.5, causal, C)
+    has_mask = key_mask is not None or pad > 0
+    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), tr, tc, slot_, mask, has_mask, H, K, D ** -0.5, causal, C)
     return o.view(B, H, Tp, D)[:, :, :T]

@@ -86,7 +86,7 @@ def test_fast_matches_naive_float64(T, D, K, uniform, causal):
 
 
 @pytest.mark.parametrize("T,D,K,block", [(1, 16, 4, 16), (7, 16, 2, 16), (37, 32, 4, 16), (70, 64, 64, 64),
-                                         (20, 128, 8, 32)])
+                                         (20, 128, 8, 32), (48, 16, 4, 16)])
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_matches_naive(T, D, K, block, uniform, causal):
@@ -103,6 +103,17 @@ def test_triton_matches_naive(T, D, K, block, uniform, causal):
     want = run(lambda q, k, v, rel, uni=None: upe_attention_naive(q, k, v, rel, uni, sl, key_mask, causal),
                ref, (), do.double())
     check(got, want, 1e-4)
+
+
+def test_triton_without_any_mask():
+    """T a multiple of the block and no key mask: the kernels skip masking altogether."""
+    q, k, v, rel, uni, slot, _ = make_inputs(2, 2, 48, 16, 4, 3, dtype=torch.float32, seed=11)
+    tensors = [x.detach().to(DEV).requires_grad_(True) for x in (q, k, v, rel, uni)]
+    sl = slot.to(DEV)
+    do = torch.randn(2, 2, 48, 16, device=DEV)
+    got = run(lambda *a: upe_attention_triton(*a, sl, None, False, 16), tensors, (), do)
+    ref = [x.detach().double().requires_grad_(True) for x in tensors]
+    check(got, run(lambda *a: upe_attention_naive(*a, sl), ref, (), do.double()), 1e-4)
 
 
 def test_triton_matches_naive_fp16():

@@ -15,6 +15,7 @@ block with masked keys.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -214,17 +215,22 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     Tp = T + pad
     K = (rel.shape[1] - 1) // 2
     mask = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
-    mask = torch.nn.functional.pad(mask, (0, pad)).to(torch.int8).contiguous()       # padded keys: masked
+    mask = F.pad(mask, (0, pad)).to(torch.int8).contiguous()                  # padded keys: masked
     slot_ = torch.full((B, T), -1, dtype=torch.long, device=q.device) if slot is None else slot
-    slot_ = torch.nn.functional.pad(slot_, (0, pad), value=-1).to(torch.int32).contiguous()
-    qp, kp, vp = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    slot_ = F.pad(slot_, (0, pad), value=-1).to(torch.int32).contiguous()
+    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     # bf16 inputs get bf16 tables (their rounding is that of the bf16 q.k products; half the traffic),
-    # everything else float32
+    # everything else float32. Zero rows pad the tables to a multiple of 8 columns: aligned rows let
+    # the matmuls use their fast kernels; the padding columns are never read.
     tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    tr = (qp.to(tdt) @ rel.to(tdt).transpose(-1, -2)[None]).reshape(B * H, Tp, 2 * K + 1).contiguous()
+
+    def table(vecs):                                        # (H, N, D) -> (B, H, Tp, N + pad)
+        return qp.to(tdt) @ F.pad(vecs.to(tdt), (0, 0, 0, -vecs.shape[1] % 8)).transpose(-1, -2)[None]
+
+    tr = table(rel).reshape(B * H, Tp, -1)                  # (B*H, Tp, 2K+1 + pad)
     tc = None
     if uni is not None and slot is not None:
-        tc = (qp.to(tdt) @ uni.to(tdt).transpose(-1, -2)[None]).reshape(B * H, Tp, uni.shape[1]).contiguous()
+        tc = table(uni).reshape(B * H, Tp, -1)              # (B*H, Tp, M + pad)
     flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
     has_mask = key_mask is not None or pad > 0
     o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), tr, tc, slot_, mask, has_mask, H, K, D ** -0.5, causal, C)

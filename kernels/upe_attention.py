@@ -27,14 +27,12 @@ def _offset(i_pos, j_pos, K: tl.constexpr):
 
 
 @triton.jit
-def _logits(q, KP, TR, TC, SLOTB, MASKB, row, col, i_pos, j_pos, qk_scale,
-            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+def _logits(q, k, TR, TC, SLOTB, MASKB, row, i_pos, j_pos, d0, qk_scale,
+            NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
             HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 logits of one (query block, key block) tile, masked, and the key slots."""
-    rd = tl.arange(0, D)
-    k = tl.load(KP + col[:, None] * D + rd[None, :])
+    """Base-2 logits of one (query block, key block) tile, masked, and the key slots. The tile
+    spans i - j in d0 -+ (C - 1), d0 = (first query) - (first key)."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    d0 = tl.min(i_pos) - tl.min(j_pos)                       # the tile spans i - j in d0 -+ (C - 1)
     if d0 - (C - 1) >= K:                                    # whole tile clipped: one entry per row
         t = tl.broadcast_to(tl.load(TR + row * NR + 2 * K).to(tl.float32)[:, None], (C, C))
     elif d0 + (C - 1) <= -K:
@@ -71,8 +69,9 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
     n_keys = (i + 1) * C if CAUSAL else T
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
-        s, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, bh * T + j_pos, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+        k = tl.load(KP + (bh * T + j_pos)[:, None] * D + rd[None, :])
+        s, _ = _logits(q, k, TR, TC, SLOT + b * T, MASK + b * T, row, i_pos, j_pos, i * C - j0,
+                       qk_scale, NR, NC, K, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         mnew = tl.maximum(mx, tl.max(s, 1))
         m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
         alpha = tl.exp2(mx - m_safe)
@@ -111,12 +110,12 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
     for j0 in range(0, n_keys, C):
         j_pos = j0 + rc
         col = bh * T + j_pos
-        s, sl = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                             qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+        k = tl.load(KP + col[:, None] * D + rd[None, :])
+        s, sl = _logits(q, k, TR, TC, SLOT + b * T, MASK + b * T, row, i_pos, j_pos, i * C - j0,
+                        qk_scale, NR, NC, K, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         p = tl.exp2(s - lse[:, None])
         v = tl.load(V + col[:, None] * D + rd[None, :])
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
-        k = tl.load(KP + col[:, None] * D + rd[None, :])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if HAS_UNI:
             if tl.max(sl, 0) >= 0:                       # this tile holds slot keys
@@ -124,7 +123,7 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
                     dm = tl.sum(tl.where(sl[None, :] == m, ds, 0.0), 1)                   # (C,)
                     d_uni += tl.where(rm[None, :] == m, dm[:, None], 0.0)
                 ds = tl.where(sl[None, :] < 0, ds, 0.0)  # keys with a slot use no relative vector
-        d0 = i * C - j0                                  # the tile spans i - j in d0 -+ (C - 1)
+        d0 = i * C - j0
         if d0 - (C - 1) >= K:                            # whole tile clipped at +K
             d_hi += tl.sum(ds, 1)
         elif d0 + (C - 1) <= -K:                         # whole tile clipped at -K
@@ -151,6 +150,7 @@ def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scal
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     j_pos = j * C + rc
     col = bh * T + j_pos
+    k = tl.load(KP + col[:, None] * D + rd[None, :])
     v = tl.load(V + col[:, None] * D + rd[None, :])
     dk = tl.zeros([C, D], tl.float32)
     dv = tl.zeros([C, D], tl.float32)
@@ -159,8 +159,8 @@ def _bwd_dkv(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DK, DV, T, H, qk_scal
         i_pos = i0 + rc
         row = bh * T + i_pos
         q = tl.load(Q + row[:, None] * D + rd[None, :])
-        s, _ = _logits(q, KP, TR, TC, SLOT + b * T, MASK + b * T, row, col, i_pos, j_pos,
-                          qk_scale, NR, NC, K, D, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+        s, _ = _logits(q, k, TR, TC, SLOT + b * T, MASK + b * T, row, i_pos, j_pos, i0 - j * C,
+                       qk_scale, NR, NC, K, C, HAS_UNI, HAS_MASK, CAUSAL, PREC)
         p = tl.exp2(s - tl.load(LSE + row)[:, None])
         do = tl.load(DO + row[:, None] * D + rd[None, :])
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
@@ -193,14 +193,14 @@ class UPEFlash(torch.autograd.Function):
         BH, T, D = q.shape
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)
-        dq, dk, dv = (torch.empty(BH, T, D, device=q.device, dtype=torch.float32) for _ in range(3))
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))   # the kernels accumulate in float32
         dtr, dtc = torch.zeros_like(tr), torch.zeros_like(tc)
         args = (T, H, scale * 1.4426950408889634, scale)
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
         _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dq, dtr, dtc, *args,
                                       NCP=ncp, **meta)
         _bwd_dkv[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dk, dv, *args, **meta)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtr, dtc if ctx.has_uni else None,
+        return (dq, dk, dv, dtr, dtc if ctx.has_uni else None,
                 None, None, None, None, None, None, None, None)
 
 

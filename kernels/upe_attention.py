@@ -7,9 +7,10 @@ tables built by PyTorch (upe.py differentiates them with autograd):
     QC: (B*H, T, M)     q_i . C[m]  used instead when key j has slot m >= 0
 
 so no (T, T, D) or (T, T) tensor exists. Forward: one program per (query block, batch*head), online
-softmax over the key blocks. Backward: `_bwd_dkv` (per key block: dK, dV in registers) and `_bwd_dq`
+softmax over the key blocks. Backward: `_bwd_dq`
 (per query block: dQ and the table gradients dQR / dQC, no atomics: the program owns its query
-rows; the entries that clipping or slots share are summed in registers). The caller pads T to the
+rows; the entries that clipping or slots share are summed in registers), then `_bwd_dkv` (per key
+block: dK, dV in registers). The caller pads T to the
 block with masked keys.
 """
 from __future__ import annotations
@@ -85,13 +86,14 @@ def _fwd(Q, KP, V, TR, TC, SLOT, MASK, O, LSE, T, H, qk_scale,
 
 
 @triton.jit
-def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale, scale,
+def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, O, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale, scale,
             NR: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
             C: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr,
-         CAUSAL: tl.constexpr, PREC: tl.constexpr):
+            CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """dQ and the table gradients of one query block, without atomics: inside the clip band each
     (query, offset) entry of dQR comes from exactly one key, so it is stored directly; the two clipped
-    entries (offsets -K and K) and the slot entries dQC are summed in registers and stored once."""
+    entries (offsets -K and K) and the slot entries dQC are summed in registers and stored once.
+    Also stores delta = rowsum(dO * O) of its rows for `_bwd_dkv`, which runs after it."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b = bh // H
     rc, rd = tl.arange(0, C), tl.arange(0, D)
@@ -100,7 +102,8 @@ def _bwd_dq(Q, KP, V, TR, TC, SLOT, MASK, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk
     q = tl.load(Q + row[:, None] * D + rd[None, :])
     do = tl.load(DO + row[:, None] * D + rd[None, :])
     lse = tl.load(LSE + row)
-    delta = tl.load(DELTA + row)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * D + rd[None, :]).to(tl.float32), 1)
+    tl.store(DELTA + row, delta)
     dq = tl.zeros([C, D], tl.float32)
     d_lo = tl.zeros([C], tl.float32)                     # dQR[:, 0]:  i - j <= -K
     d_hi = tl.zeros([C], tl.float32)                     # dQR[:, 2K]: i - j >= K
@@ -192,12 +195,12 @@ class UPEFlash(torch.autograd.Function):
         meta, H, scale = ctx.meta, ctx.H, ctx.scale
         BH, T, D = q.shape
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)
+        delta = torch.empty(BH, T, device=q.device, dtype=torch.float32)   # written by _bwd_dq
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))   # the kernels accumulate in float32
         dtr, dtc = torch.zeros_like(tr), torch.zeros_like(tc)
         args = (T, H, scale * 1.4426950408889634, scale)
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
-        _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dq, dtr, dtc, *args,
+        _bwd_dq[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, o, do, lse, delta, dq, dtr, dtc, *args,
                                       NCP=ncp, **meta)
         _bwd_dkv[(T // meta["C"], BH)](q, k, v, tr, tc, slot, mask, do, lse, delta, dk, dv, *args, **meta)
         return (dq, dk, dv, dtr, dtc if ctx.has_uni else None,
@@ -218,7 +221,7 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     mask = F.pad(mask, (0, pad)).to(torch.int8).contiguous()                  # padded keys: masked
     slot_ = torch.full((B, T), -1, dtype=torch.long, device=q.device) if slot is None else slot
     slot_ = F.pad(slot_, (0, pad), value=-1).to(torch.int32).contiguous()
-    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (q, k, v))
     # bf16 inputs get bf16 tables (their rounding is that of the bf16 q.k products; half the traffic),
     # everything else float32. Zero rows pad the tables to a multiple of 8 columns: aligned rows let
     # the matmuls use their fast kernels; the padding columns are never read.

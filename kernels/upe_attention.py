@@ -184,7 +184,8 @@ class UPEFlash(torch.autograd.Function):
         tc_ = tc if has_uni else tr
         meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, C=C, HAS_UNI=has_uni, HAS_MASK=has_mask,
                     CAUSAL=causal, PREC=prec)
-        _fwd[(T // C, BH)](q, k, v, tr, tc_, slot, mask, o, lse, T, H, scale * 1.4426950408889634, **meta)
+        _fwd[(T // C, BH)](q, k, v, tr, tc_, slot, mask, o, lse, T, H, scale * 1.4426950408889634, **meta,
+                           num_stages=2)  # 2 pipeline stages: 6.2 ms vs 6.6 with the default 3 (H100, T=4096)
         ctx.save_for_backward(q, k, v, tr, tc_, slot, mask, o, lse)
         ctx.meta, ctx.H, ctx.scale, ctx.has_uni = meta, H, scale, has_uni
         return o

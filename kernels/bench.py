@@ -176,7 +176,7 @@ OPS = {
     "vipe": dict(cases=vipe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
     "upe": dict(cases=upe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=False),
     # B, C (cursors), P (bins) in the B, H, D slots; no SDPA row, TFLOP/s not meaningful
-    "prism": dict(cases=prism_cases, lengths=[256, 512, 1024, 2048], B=32, H=32, D=256, causal=True),
+    "prism": dict(cases=prism_cases, lengths=[256, 512, 1024, 2048], B=32, H=32, D=256, causal=True, flops=False),
 }
 
 
@@ -207,8 +207,9 @@ def run_op(name, spec, lengths, dtype, out_dir: Path):
     for row in rows:
         base = next(r for r in rows if r["T"] == row["T"] and r["impl"].startswith(base_name))
         ratio = row["fwd+bwd"] / base["fwd+bwd"]
+        tflops = f"{row['fwd+bwd TFLOP/s']:.1f}" if spec.get("flops", True) else "-"
         lines.append(f"| {row['T']} | {row['impl']} | {row['fwd']:.3f} | {row['fwd+bwd']:.3f} | {ratio:.2f}x | "
-                     f"{row['fwd+bwd TFLOP/s']:.1f} | {row['fwd+bwd GiB']:.2f} |")
+                     f"{tflops} | {row['fwd+bwd GiB']:.2f} |")
     table = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(table)

@@ -31,6 +31,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _partial_row(bh, blk, H):
+    """Where program (bh, blk) writes its partial parameter gradient: rows ordered (head, batch,
+    block), so the sum over programs is over one contiguous middle dim of an (H, B * blocks, .) buffer."""
+    B = tl.num_programs(0) // H
+    return (bh % H) * B * tl.num_programs(1) + (bh // H) * tl.num_programs(1) + blk
+
+
+@triton.jit
 def _prologue_fwd(Q, K, V, U, QO, KO, VO, T, H, s, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   D: tl.constexpr, DV: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, R: tl.constexpr,
                   RESCALE: tl.constexpr):
@@ -74,7 +82,7 @@ def _prologue_bwd(DQO, DKO, K, U, DQ, DK, DU, T, H, s, sk_b, sk_h, sk_t,
         dq = dq * (s * tl.log(t.to(tl.float32) + 1.0))[:, None]
         g = tl.sum(dk * k, 1)                                               # (R,) dk'.k
         dk = dk * (1.0 + tl.sum(k * u[None, :], 1))[:, None] + g[:, None] * u[None, :]
-        tl.store(DU + (bh * tl.num_programs(1) + blk) * BW + c, tl.sum(g[:, None] * k, 0))
+        tl.store(DU + _partial_row(bh, blk, H) * BW + c, tl.sum(g[:, None] * k, 0))
     out = bh * T * D + t[:, None] * D + c[None, :]                          # (B, H, T, D)
     tl.store(DQ + out, dq.to(DQ.dtype.element_ty), mask=ok)
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=ok)
@@ -119,7 +127,7 @@ def _epilogue_bwd(DZ, O, WP, DO, DWB, T, H, s, so_b, so_h, so_t,
     do = tl.where((c == DV)[None, :], dmean[:, None], dzv.to(tl.float32))   # zeros beyond DV
     tl.store(DO + (bh * T + t)[:, None] * W + c[None, :], do.to(DO.dtype.element_ty),
              mask=row_ok & (c < W)[None, :])                                # (B, H, T, W)
-    part = DWB + (bh * tl.num_programs(1) + blk) * 2 * BC                   # this program's dW_p, db_p
+    part = DWB + _partial_row(bh, blk, H) * 2 * BC                          # this program's dW_p, db_p
     tl.store(part + p, tl.sum(dist[:, None] * dcode, 0))
     tl.store(part + BC + p, tl.sum(dcode, 0))
 
@@ -153,10 +161,10 @@ class RescaleAppendIndex(torch.autograd.Function):
         BW = triton.next_power_of_2(W)
         R, grid = _launch_shape(B, H, T, BW)
         dq, dk = k.new_empty(B, H, T, D), k.new_empty(B, H, T, D)
-        du = torch.zeros(B, H, grid[1], BW, device=k.device, dtype=torch.float32)  # per-program sums
+        du = torch.zeros(H, B * grid[1], BW, device=k.device, dtype=torch.float32)  # per-program sums
         _prologue_bwd[grid](dqo.contiguous(), dko.contiguous(), k, u, dq, dk, du, T, H, ctx.s, *k.stride()[:3],
                             D=D, W=W, BW=BW, R=R, RESCALE=ctx.rescale)
-        du = du.sum((0, 2))[:, :D].to(u.dtype) if ctx.rescale else None
+        du = du.sum(1)[:, :D].to(u.dtype) if ctx.rescale else None
         return dq, dk, dvo[..., :ctx.Dv], du, None, None, None
 
 
@@ -183,8 +191,8 @@ class PositionCode(torch.autograd.Function):
         BW, BC = triton.next_power_of_2(W), triton.next_power_of_2(dp)
         R, grid = _launch_shape(B, H, T, BW)
         do = torch.empty(B, H, T, W, device=o.device, dtype=o.dtype)
-        dwb = torch.empty(B, H, grid[1], 2, BC, device=o.device, dtype=torch.float32)  # per-program sums
+        dwb = torch.empty(H, B * grid[1], 2, BC, device=o.device, dtype=torch.float32)  # per-program sums
         _epilogue_bwd[grid](dz.contiguous(), o, w_p, do, dwb, T, H, ctx.s, *o.stride()[:3],
                             DV=Dv, DP=dp, W=W, BW=BW, BC=BC, R=R)
-        dwb = dwb.sum((0, 2))[..., :dp].to(w_p.dtype)                       # (H, 2, dp)
+        dwb = dwb.sum(1)[..., :dp].to(w_p.dtype)                            # (H, 2, dp)
         return do, dwb[:, 0], dwb[:, 1], None, None

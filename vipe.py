@@ -121,8 +121,7 @@ def vipe_attention_torch(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
 
 def vipe_attention_triton(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
     """The same SDPA call with the work around it in two Triton kernels each way
-    (kernels/vipe_attention.py): no cat, slice or extra elementwise pass. z is a view whose rows
-    are 8-channel aligned (71 channels in a 72-wide buffer in the layer)."""
+    (kernels/vipe_attention.py): no cat, slice or extra elementwise pass."""
     from kernels.vipe_attention import PositionCode, RescaleAppendIndex
 
     D, Dv = q.shape[-1], v.shape[-1]

@@ -21,8 +21,7 @@ Positions are 0-based here (n - E[i] is the same either way; log uses n + 1). Ea
 R rows of one (batch, head); the parameter gradients du, dW_p, db_p are summed per program into a
 float32 buffer and then by torch, so there are no atomics. Arithmetic is float32 whatever the
 input dtype. Inputs may be strided (the layer's q, k, v are views of one projection) as long as the
-last dim is contiguous; outputs are contiguous, except z: a view of a buffer whose rows are padded to
-a multiple of 8 channels, so that they can be stored with vector stores.
+last dim is contiguous; outputs are contiguous.
 """
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def _prologue_bwd(DQO, DKO, K, U, DQ, DK, DU, T, H, s, sk_b, sk_h, sk_t,
 
 @triton.jit
 def _epilogue_fwd(O, WP, BP, Z, T, H, s, so_b, so_h, so_t,
-                  DV: tl.constexpr, DP: tl.constexpr, ZW: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
-                  R: tl.constexpr):
+                  DV: tl.constexpr, DP: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr, R: tl.constexpr):
     bh, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b, h = bh // H, bh % H
     t = blk * R + tl.arange(0, R)
@@ -105,13 +103,13 @@ def _epilogue_fwd(O, WP, BP, Z, T, H, s, so_b, so_h, so_t,
     w = tl.load(WP + h * DP + p, mask=p < DP, other=0.0).to(tl.float32)     # (BC,)
     bias = tl.load(BP + h * DP + p, mask=p < DP, other=0.0).to(tl.float32)
     code = dist[:, None] * w[None, :] + bias[None, :]                       # (R, BC)
-    z_row = Z + (bh * T + t) * ZW                                           # rows ZW >= DV + DP apart
+    z_row = Z + (bh * T + t) * (DV + DP)                                    # (B, H, T, DV + DP) contiguous
     tl.store(z_row[:, None] + c[None, :], o.to(Z.dtype.element_ty), mask=row_ok & (c < DV)[None, :])
     tl.store(z_row[:, None] + DV + p[None, :], code.to(Z.dtype.element_ty), mask=row_ok & (p < DP)[None, :])
 
 
 @triton.jit
-def _epilogue_bwd(DZ, O, WP, DO, DWB, T, H, s, so_b, so_h, so_t, sz_b, sz_h, sz_t,
+def _epilogue_bwd(DZ, O, WP, DO, DWB, T, H, s, so_b, so_h, so_t,
                   DV: tl.constexpr, DP: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BC: tl.constexpr,
                   R: tl.constexpr):
     bh, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -121,7 +119,7 @@ def _epilogue_bwd(DZ, O, WP, DO, DWB, T, H, s, so_b, so_h, so_t, sz_b, sz_h, sz_
     row_ok = (t < T)[:, None]
     mean = tl.load(O + b * so_b + h * so_h + t * so_t + DV, mask=t < T, other=0.0).to(tl.float32)
     dist = (t.to(tl.float32) - mean) / s                                    # (R,)
-    dz_row = DZ + b * sz_b + h * sz_h + t * sz_t
+    dz_row = DZ + (bh * T + t) * (DV + DP)
     dzv = tl.load(dz_row[:, None] + c[None, :], mask=row_ok & (c < DV)[None, :], other=0.0)  # (R, BW)
     dcode = tl.load(dz_row[:, None] + DV + p[None, :], mask=row_ok & (p < DP)[None, :], other=0.0).to(tl.float32)
     w = tl.load(WP + h * DP + p, mask=p < DP, other=0.0).to(tl.float32)
@@ -179,11 +177,8 @@ class PositionCode(torch.autograd.Function):
         dp = w_p.shape[-1]
         BW, BC = triton.next_power_of_2(W), triton.next_power_of_2(dp)
         R, grid = _launch_shape(B, H, T, BW)
-        # rows padded to a multiple of 8 channels (16 bytes): a 71-wide row cannot be stored with vector
-        # stores; z is the (B, H, T, Dv + d_p) view of that buffer
-        ZW = 8 * triton.cdiv(Dv + dp, 8)
-        z = o.new_empty(B, H, T, ZW)[..., :Dv + dp]
-        _epilogue_fwd[grid](o, w_p, b_p, z, T, H, float(s), *o.stride()[:3], DV=Dv, DP=dp, ZW=ZW, BW=BW, BC=BC, R=R)
+        z = o.new_empty(B, H, T, Dv + dp)
+        _epilogue_fwd[grid](o, w_p, b_p, z, T, H, float(s), *o.stride()[:3], DV=Dv, DP=dp, BW=BW, BC=BC, R=R)
         ctx.save_for_backward(o, w_p)
         ctx.s, ctx.Dv = float(s), Dv
         return z
@@ -197,8 +192,7 @@ class PositionCode(torch.autograd.Function):
         R, grid = _launch_shape(B, H, T, BW)
         do = torch.empty(B, H, T, W, device=o.device, dtype=o.dtype)
         dwb = torch.empty(H, B * grid[1], 2, BC, device=o.device, dtype=torch.float32)  # per-program sums
-        dz = dz if dz.stride(-1) == 1 else dz.contiguous()
-        _epilogue_bwd[grid](dz, o, w_p, do, dwb, T, H, ctx.s, *o.stride()[:3], *dz.stride()[:3],
+        _epilogue_bwd[grid](dz.contiguous(), o, w_p, do, dwb, T, H, ctx.s, *o.stride()[:3],
                             DV=Dv, DP=dp, W=W, BW=BW, BC=BC, R=R)
         dwb = dwb.sum(1)[..., :dp].to(w_p.dtype)                            # (H, 2, dp)
         return do, dwb[:, 0], dwb[:, 1], None, None

@@ -119,10 +119,15 @@ def test_u_zero_identities(s):
     assert torch.allclose(z[..., Dv:], want, atol=1e-12)
 
 
-def test_naive_backend_switch(monkeypatch):
-    xs = [x.detach() for x in make_inputs(1, 2, 5, 8, 7, 2)]
-    monkeypatch.setattr(vipe, "BACKEND", "naive")
-    assert torch.allclose(vipe_attention(*xs), vipe_attention_naive(*xs))
+def test_backend_switch(monkeypatch):
+    xs = [x.detach().float() for x in make_inputs(1, 2, 5, 8, 7, 2)]
+    want = vipe_attention_naive(*xs)
+    for backend in ("naive", "torch", "triton"):      # triton: through the interpreter on the CPU
+        monkeypatch.setattr(vipe, "BACKEND", backend)
+        assert torch.allclose(vipe_attention(*xs), want, atol=1e-5), backend
+    monkeypatch.setattr(vipe, "BACKEND", "cuda")
+    with pytest.raises(ValueError, match="unknown BACKEND 'cuda'"):
+        vipe_attention(*xs)
 
 
 # ---- the layer --------------------------------------------------------------------------------------

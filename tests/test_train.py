@@ -78,29 +78,49 @@ def test_causal_models_never_look_ahead(method):
     assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-3)
 
 
+def learn_copy(method, causal, device="cpu"):
+    """100 steps of a tiny model on copy (lengths 1-3), with train.py's autocast: the losses, after
+    checking that every gradient is finite."""
+    task = TASKS["copy"]
+    torch.manual_seed(0)
+    model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=32, n_layers=2, n_heads=2,
+                              method=method, causal=causal)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(100):
+        batch = sample_mixed(task, 32, [1, 2, 3], rng)
+        with train.autocast(device):
+            logits = model(batch.x.to(device))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch.y.to(device).flatten(), ignore_index=IGNORE)
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for name, p in model.named_parameters()
+                   if not name.endswith(".uni")), method  # UPE's slot vectors: copy has no slots
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("method", BASELINES + ["rpe", "upe", "prism"] + CAUSAL_ONLY)
-def test_methods_learn_in_their_modes(method, tmp_path):
+def test_methods_learn_in_their_modes(method):
     """Forward and backward in causal and (where the method allows) bidirectional mode; the loss
     of a tiny model falls on copy (lengths 1-3) within 100 steps to under 0.45 of its initial
     value (~ln 12). The slowest baselines (nope, alibi: no way to tell positions apart exactly)
     reach about 0.37."""
-    task = TASKS["copy"]
     for causal in (True,) if method in CAUSAL_ONLY else (True, False):
-        torch.manual_seed(0)
-        model = Model(ModelConfig(vocab_size=len(task.vocab), d_model=32, n_layers=2, n_heads=2,
-                                  method=method, causal=causal))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        rng = np.random.default_rng(0)
-        losses = []
-        for _ in range(100):
-            batch = sample_mixed(task, 32, [1, 2, 3], rng)
-            loss = F.cross_entropy(model(batch.x).flatten(0, 1), batch.y.flatten(), ignore_index=IGNORE)
-            opt.zero_grad()
-            loss.backward()
-            assert all(p.grad is not None and torch.isfinite(p.grad).all() for name, p in model.named_parameters()
-                       if not name.endswith(".uni"))  # UPE's slot vectors: copy has no slots
-            opt.step()
-            losses.append(loss.item())
+        losses = learn_copy(method, causal)
+        assert np.mean(losses[-10:]) < 0.45 * np.mean(losses[:5]), (method, causal, losses[:5], losses[-10:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", BASELINES + ["rpe", "upe", "prism"] + CAUSAL_ONLY)
+def test_methods_learn_on_the_gpu(method):
+    """The same on CUDA under bf16 autocast, where the methods take their Triton paths, with the
+    same bound as on the CPU."""
+    for causal in (True,) if method in CAUSAL_ONLY else (True, False):
+        losses = learn_copy(method, causal, "cuda")
         assert np.mean(losses[-10:]) < 0.45 * np.mean(losses[:5]), (method, causal, losses[:5], losses[-10:])
 
 

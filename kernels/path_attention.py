@@ -1,30 +1,35 @@
-"""Triton kernels for PaTH attention: a FlashAttention-style forward and its backward.
+"""Triton kernels for PaTH attention: a FlashAttention-style forward and its backward, on two levels.
 
 The math is in path_attention.py: after the per-block UT preprocessing (`ut_blocks`, PyTorch,
-differentiated by autograd) the kernels see
+differentiated by autograd) the kernels see, for blocks of C tokens,
 
     qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)
     w, u:   the block products P_m = I - W_m^T U_m              (B*H, T, D) float32
     sd:     the scaled logits inside each block                 (B*H, T, C) float32
     G:      the cumulative log forget gate (optional)           (B*H, T)    float32
 
-Forward, one program per (query block i, batch*head): the diagonal block from sd, then the key
-blocks m = i-1 ... 0 right to left, scoring with the query state Q~ (float32, in registers) and
-carrying it through P_m:  Q~ <- Q~ - (Q~ W_m^T) U_m.  Online softmax as in FlashAttention.
+Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products`
+(PyTorch, autograd) multiplies each chunk's block products into one D x D matrix PL_b and carries
+every key on to the end of its chunk (kL). A query then needs the block products only inside its
+own chunk; further left it scores a whole chunk of keys with one state and carries that state once
+per chunk. Forward, one program per (query block i in chunk a, batch*head), online softmax as in
+FlashAttention:
 
-Backward. Let X_i^(m) be the gradient reaching the query state of block i just before it is
-carried through P_m. It accumulates left to right,
+  1. the diagonal block, from sd;
+  2. the earlier blocks m = i-1 ... aR of its chunk, right to left: score with the query state Q~
+     (float32, in registers), then carry it through P_m:  Q~ <- Q~ - (Q~ W_m^T) U_m;
+  3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, then Q~ <- Q~ PL_b.
 
-    X^(m+1) = X^(m) P_m^T + dS_im K^_m,     X^(0) = 0,     dQ^_i = X^(i),
+Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
+before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
+product needs the state and X at the same point, dP = Q~^T X, so the forward stores each state it
+scores with (one C x D tile per block pair in step 2 and per chunk in step 3: O(T D (R + T / RC))
+memory), and
 
-while the states Q~_i^(m) were produced right to left, and dP_m = sum_i Q~_i^(m)T X_i^(m) needs
-both at once. The forward therefore stores every state Q~_i^(m) (one C x D tile per block pair,
-O(T^2 D / C) memory: the price of an exact backward without inverting the H's), and:
-
-  `_bwd_dq`  (per query block, left to right) recomputes the softmax, writes X_i^(m) per pair,
-             dQ^_i, the gradient of sd, and the query side of dG;
-  `_bwd_dkv` (per key block, over later query blocks) accumulates dK^_m, dV_m, dP_m and the
-             key side of dG in registers: no atomics.
+  `_bwd_dq`  (per query block, left to right) recomputes the softmax, writes X at each state,
+             dQ^_i, the gradient of sd and the query side of dG;
+  `_bwd_dkv` (per key block) accumulates dK^ (queries of its own chunk), dkL (later chunks), dV,
+             dP_m, its share of dPL_b and the key side of dG in registers: no atomics.
 
 The autograd Function turns dP_m into dW = -U dP^T and dU = -W dP (from P = I - W^T U).
 Tensors are padded to a multiple of C by the caller (zero w, beta = 0: H = I), so the kernels
@@ -32,32 +37,57 @@ have no bounds checks. Logits are kept in base 2 (times log2 e) as in the Triton
 """
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+CHUNK = 8   # R: blocks per chunk
 
 
 @triton.jit
-def _pair(i, m):
-    """Index of block pair (query block i, key block m < i) in the packed state buffers."""
-    return i * (i - 1) // 2 + m
+def _intra(i, R: tl.constexpr):
+    """First stored state of query block i inside its chunk (it has i % R: one per earlier block)."""
+    a, r = i // R, i % R
+    return a * (R * (R - 1) // 2) + r * (r - 1) // 2
 
 
 @triton.jit
-def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
-         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-         HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+def _inter(i, R: tl.constexpr):
+    """First stored state of query block i at the chunk boundaries (it has i // R: one per chunk)."""
+    a, r = i // R, i % R
+    return R * (a * (a - 1) // 2) + r * a
+
+
+def n_states(n: int, R: int) -> tuple[int, int]:
+    """How many states (C x D tiles) per batch*head the two stores hold, for n blocks."""
+    return sum(i % R for i in range(n)), sum(i // R for i in range(n))
+
+
+@triton.jit
+def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
+    """One online-softmax update with base-2 logits s (C, C) and values v (C, DV)."""
+    mnew = tl.maximum(mx, tl.max(s, 1))
+    alpha = tl.exp2(mx - mnew)
+    p = tl.exp2(s - mnew[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC16)
+    return mnew, lsum, acc
+
+
+@triton.jit
+def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
+         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HAS_G: tl.constexpr,
+         SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
+    tile = rc[:, None] * D + rd[None, :]                             # one stored state (C, D)
     row = bh * T + i * C + rc                                        # (C,) query rows
     q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (C, D) query state
     if HAS_G:
         gq = tl.load(G + row) * 1.4426950408889634
-    # diagonal block: logits precomputed inside the block
+    # 1. diagonal block: logits precomputed inside the block
     s = tl.load(SD + row[:, None] * C + rc[None, :]) * 1.4426950408889634
     if HAS_G:
         s += gq[:, None] - gq[None, :]
@@ -66,37 +96,52 @@ def _fwd(QH, KH, V, W, U, SD, G, O, LSE, QS, T, n_pairs, qk_scale,
     p = tl.exp2(s - mx[:, None])
     lsum = tl.sum(p, 1)
     v = tl.load(V + row[:, None] * DV + rv[None, :])
-    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                                 # (C, DV) float32
-    # key blocks right to left
-    for t in range(0, i):
+    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                            # (C, DV) float32
+    # 2. the earlier blocks of this chunk, right to left
+    a = i // R
+    first = bh * n_intra + _intra(i, R)
+    for t in range(0, i - a * R):
         m = i - 1 - t
         col = bh * T + m * C + rc
         if SAVE:
-            tl.store(QS + ((bh * n_pairs + _pair(i, m)) * C + rc[:, None]) * D + rd[None, :],
-                     q.to(QS.dtype.element_ty))
+            tl.store(QS + (first + t) * C * D + tile, q.to(QS.dtype.element_ty))
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         s = tl.dot(q.to(kh.dtype), tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
-        mnew = tl.maximum(mx, tl.max(s, 1))
-        alpha = tl.exp2(mx - mnew)
-        p = tl.exp2(s - mnew[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(V + col[:, None] * DV + rv[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC16)
-        mx = mnew
+        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
         w = tl.load(W + col[:, None] * D + rd[None, :])
         u = tl.load(U + col[:, None] * D + rd[None, :])
         q = q - tl.dot(tl.dot(q, tl.trans(w), input_precision=PREC), u, input_precision=PREC)
+    # 3. the earlier chunks, right to left, one state each
+    first = bh * n_inter + _inter(i, R)
+    for t in range(0, a):
+        b = a - 1 - t
+        if SAVE:
+            tl.store(QL + (first + b) * C * D + tile, q.to(QL.dtype.element_ty))
+        qk = q.to(KL.dtype.element_ty)
+        for m in range(b * R, b * R + R):
+            col = bh * T + m * C + rc
+            kl = tl.load(KL + col[:, None] * D + rd[None, :])
+            s = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
+            if HAS_G:
+                s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
+            v = tl.load(V + col[:, None] * DV + rv[None, :])
+            mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+        pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])  # (D, D)
+        q = tl.dot(q, pl, input_precision=PREC)
     tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
     tl.store(LSE + row, mx + tl.log2(lsum))
 
 
 @triton.jit
-def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pairs, qk_scale, scale,
-            D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
+            n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+            R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
+    tile = rc[:, None] * D + rd[None, :]
     row = bh * T + i * C + rc
     do = tl.load(DO + row[:, None] * DV + rv[None, :])
     lse = tl.load(LSE + row)
@@ -113,11 +158,32 @@ def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pair
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])  # dL/d(logit)
     tl.store(DSD + row[:, None] * C + rc[None, :], ds)
     dg = tl.sum(ds, 1)
-    # key blocks left to right, carrying the query-state gradient X
     x = tl.zeros([C, D], dtype=tl.float32)
-    for m in range(0, i):
+    # the earlier chunks, left to right: X is stored before PL_b, then carried through it
+    a = i // R
+    first = bh * n_inter + _inter(i, R)
+    for b in range(0, a):
+        at = (first + b) * C * D + tile
+        tl.store(XL + at, x.to(XL.dtype.element_ty))
+        qs = tl.load(QL + at)
+        pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])
+        x = tl.dot(x, tl.trans(pl), input_precision=PREC)
+        for m in range(b * R, b * R + R):
+            col = bh * T + m * C + rc
+            kl = tl.load(KL + col[:, None] * D + rd[None, :])
+            s = tl.dot(qs, tl.trans(kl), input_precision=PREC16) * qk_scale
+            if HAS_G:
+                s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
+            p = tl.exp2(s - lse[:, None])
+            v = tl.load(V + col[:, None] * DV + rv[None, :])
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
+            dg += tl.sum(ds, 1)
+            x += scale * tl.dot(ds.to(kl.dtype), kl, input_precision=PREC16)
+    # the earlier blocks of this chunk, left to right
+    first = bh * n_intra + _intra(i, R)
+    for m in range(a * R, i):
         col = bh * T + m * C + rc
-        at = ((bh * n_pairs + _pair(i, m)) * C + rc[:, None]) * D + rd[None, :]
+        at = (first + i - 1 - m) * C * D + tile
         tl.store(XS + at, x.to(XS.dtype.element_ty))
         qs = tl.load(QS + at)
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
@@ -138,10 +204,12 @@ def _bwd_dq(QS, KH, V, W, U, SD, G, DO, LSE, DELTA, XS, DQH, DSD, DGQ, T, n_pair
 
 
 @triton.jit
-def _bwd_dkv(QS, XS, KH, V, SD, G, DO, LSE, DELTA, DKH, DV_, DP, DGK, T, n_blocks, n_pairs, qk_scale, scale,
-             D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP, DPL, DGK, T, n_blocks,
+             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+             R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
+    tile = rc[:, None] * D + rd[None, :]
     col = bh * T + m * C + rc
     kh = tl.load(KH + col[:, None] * D + rd[None, :])
     v = tl.load(V + col[:, None] * DV + rv[None, :])
@@ -159,30 +227,71 @@ def _bwd_dkv(QS, XS, KH, V, SD, G, DO, LSE, DELTA, DKH, DV_, DP, DGK, T, n_block
     dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)    # (C, DV)
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
     dg = -tl.sum(ds, 0)
+    # the later query blocks of this chunk: keys kh, their states stored per block pair
+    b = m // R
     dk = tl.zeros([C, D], dtype=tl.float32)
     dp_m = tl.zeros([D, D], dtype=tl.float32)
-    for i in range(m + 1, n_blocks):
+    for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
         row = bh * T + i * C + rc
-        at = ((bh * n_pairs + _pair(i, m)) * C + rc[:, None]) * D + rd[None, :]
+        at = (bh * n_intra + _intra(i, R) + i - 1 - m) * C * D + tile
         qs = tl.load(QS + at)
         s = tl.dot(qs, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += tl.load(G + row)[:, None] * 1.4426950408889634 - gk[None, :]
-        lse = tl.load(LSE + row)
-        p = tl.exp2(s - lse[:, None])
+        p = tl.exp2(s - tl.load(LSE + row)[:, None])
         do = tl.load(DO + row[:, None] * DV + rv[None, :])
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)
-        delta = tl.load(DELTA + row)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - tl.load(DELTA + row)[:, None])
         dg -= tl.sum(ds, 0)
         dk += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC16)
-        xs = tl.load(XS + at)
-        dp_m += tl.dot(tl.trans(qs), xs, input_precision=PREC16)
+        dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
+    # the query blocks of later chunks: keys kL, one state per (query block, chunk)
+    kl = tl.load(KL + col[:, None] * D + rd[None, :])
+    dkl = tl.zeros([C, D], dtype=tl.float32)
+    for i in range(b * R + R, n_blocks):
+        row = bh * T + i * C + rc
+        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * C * D + tile)
+        s = tl.dot(qs, tl.trans(kl), input_precision=PREC16) * qk_scale
+        if HAS_G:
+            s += tl.load(G + row)[:, None] * 1.4426950408889634 - gk[None, :]
+        p = tl.exp2(s - tl.load(LSE + row)[:, None])
+        do = tl.load(DO + row[:, None] * DV + rv[None, :])
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - tl.load(DELTA + row)[:, None])
+        dg -= tl.sum(ds, 0)
+        dkl += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC16)
+    # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
+    dpl = tl.zeros([D, D], dtype=tl.float32)
+    for i in range(b * R + R + m % R, n_blocks, R):
+        at = (bh * n_inter + _inter(i, R) + b) * C * D + tile
+        dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     tl.store(DKH + col[:, None] * D + rd[None, :], dk)
+    tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
     tl.store(DV_ + col[:, None] * DV + rv[None, :], dv)
-    tl.store(DP + ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :], dp_m)
+    dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
+    tl.store(DP + dd, dp_m)
+    tl.store(DPL + dd, dpl)
     if HAS_G:
         tl.store(DGK + col, dg)
+
+
+def chunk_products(kh, w, u, C: int, R: int):
+    """kL: every key carried from the end of its block on to the end of its chunk of R blocks, and
+    PL: each chunk's product P_last ... P_first as a D x D matrix (q <- q PL). Float32, autograd.
+    kh, w, u: (BH, T, D) -> kL (BH, T, D), PL (BH, n_chunks, D, D)."""
+    BH, T, D = kh.shape
+    n = T // C
+    n_chunks = -(-n // R)
+    pad = (n_chunks * R - n) * C                               # identity blocks fill the last chunk
+    kb, wb, ub = (F.pad(x, (0, 0, 0, pad)).view(BH, n_chunks, R, C, D) for x in (kh, w, u))
+    eye = torch.eye(D, device=kh.device, dtype=kh.dtype)
+    P = eye - wb.mT @ ub                                       # (BH, n_chunks, R, D, D)
+    suffix = [eye.expand(BH, n_chunks, D, D)]                 # P_{R-1} ... P_{r+1}, from r = R-1 down
+    for r in range(R - 1, 0, -1):
+        suffix.append(suffix[-1] @ P[:, :, r])
+    suffix = torch.stack(suffix[::-1], 2)                      # (BH, n_chunks, R, D, D)
+    kl = (kb @ suffix.mT).reshape(BH, n_chunks * R * C, D)[:, :T]
+    return kl, suffix[:, :, 0] @ P[:, :, 0]
 
 
 def block_size(D: int) -> int:
@@ -191,58 +300,67 @@ def block_size(D: int) -> int:
 
 
 class PathScan(torch.autograd.Function):
-    """o = attention over the block pairs, given the UT preprocessing (see module docstring)."""
+    """o = attention over the block pairs, given the UT preprocessing and the chunk products (see the
+    module docstring)."""
 
     @staticmethod
-    def forward(ctx, qh, kh, v, w, u, sd, G, scale, C):
+    def forward(ctx, qh, kh, kl, v, w, u, pl, sd, G, scale, C, R):
         BH, T, D = qh.shape
         DV = v.shape[-1]
         n = T // C
-        n_pairs = n * (n - 1) // 2
+        n_intra, n_inter = n_states(n, R)
         save = torch.is_grad_enabled() or any(ctx.needs_input_grad)
         # float32 input: exact float32 products everywhere; 16-bit input: tensor-core products of the
         # input dtype, and TF32 for the float32 transport products of the carried query state
         prec, prec16 = ("ieee", "ieee") if v.dtype == torch.float32 else ("tf32", None)
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
-        qs = torch.empty(BH, max(n_pairs, 1), C, D, device=v.device, dtype=kh.dtype) if save else o
+        states = lambda k: torch.empty(BH, max(k, 1), C, D, device=v.device, dtype=kh.dtype)  # noqa: E731
+        qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
-        _fwd[(n, BH)](qh, kh, v, w, u, sd, G if has_g else lse, o, lse, qs, T, n_pairs, scale * LOG2E,
-                      D=D, DV=DV, C=C, HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16)
-        ctx.save_for_backward(qs, kh, v, w, u, sd, G, o, lse)
-        ctx.scale, ctx.C, ctx.prec = scale, C, (prec, prec16)
+        _fwd[(n, BH)](qh, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
+                      n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, HAS_G=has_g, SAVE=save,
+                      PREC=prec, PREC16=prec16)
+        ctx.save_for_backward(qs, ql, kh, kl, v, w, u, pl, sd, G, o, lse)
+        ctx.scale, ctx.C, ctx.R, ctx.prec = scale, C, R, (prec, prec16)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, kh, v, w, u, sd, G, o, lse = ctx.saved_tensors
-        scale, C, (prec, prec16) = ctx.scale, ctx.C, ctx.prec
+        qs, ql, kh, kl, v, w, u, pl, sd, G, o, lse = ctx.saved_tensors
+        scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
         n = T // C
-        n_pairs = n * (n - 1) // 2
+        n_chunks = pl.shape[1]
+        n_intra, n_inter = n_states(n, R)
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)             # (BH, T): rowsum(dO * O)
         has_g = G is not None
         f32 = dict(device=v.device, dtype=torch.float32)
-        xs = torch.empty_like(qs)
+        xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, **f32), torch.empty(BH, T, C, **f32)
-        dkh, dv = torch.empty(BH, T, D, **f32), torch.empty(BH, T, DV, **f32)
-        dp = torch.empty(BH, n, D, D, **f32)
+        dkh, dkl, dv = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32), torch.empty(BH, T, DV, **f32)
+        dp, dpl = torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
-        _bwd_dq[(n, BH)](qs, kh, v, w, u, sd, G if has_g else lse, do, lse, delta, xs, dqh, dsd, dgq,
-                         T, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dkv[(n, BH)](qs, xs, kh, v, sd, G if has_g else lse, do, lse, delta, dkh, dv, dp, dgk,
-                          T, n, n_pairs, scale * LOG2E, scale, D=D, DV=DV, C=C, HAS_G=has_g, PREC=prec, PREC16=prec16)
+        meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, do, lse, delta, xs, xl, dqh, dsd,
+                         dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, **meta)
+        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv, dp,
+                          dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta)
         wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
         dw = -(ub @ dp.mT).view(BH, T, D)                    # P = I - W^T U  =>  dW = -U dP^T
         du = -(wb @ dp).view(BH, T, D)                       #                    dU = -W dP
+        dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
         dG = dgq + dgk if has_g else None
-        return dqh, dkh.to(kh.dtype), dv.to(v.dtype), dw, du, dsd, dG, None, None
+        return (dqh, dkh.to(kh.dtype), dkl.to(kl.dtype), dv.to(v.dtype), dw, du, dpl, dsd, dG,
+                None, None, None)
 
 
-def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None):
-    """Same contract as path_attention.path_attention_naive; q, k, v in fp16/bf16/fp32."""
+def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
+                          chunk: int = CHUNK):
+    """Same contract as path_attention.path_attention_naive; q, k, v in fp16/bf16/fp32. `block` is
+    C, `chunk` the R blocks per chunk (tests use small ones)."""
     from path_attention import _pad_time, ut_blocks
 
     B, H, T, D = q.shape
@@ -257,6 +375,9 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()
     f32 = torch.float32
     flat = lambda x, dt=None: x.reshape(B * H, Tp, x.shape[-1]).to(dt or x.dtype).contiguous()  # noqa: E731
-    o = PathScan.apply(flat(qh, f32), flat(kh, v.dtype), flat(v), flat(wb, f32), flat(u, f32), flat(sd, f32),
-                      G, scale, C)
+    wb, u = flat(wb, f32), flat(u, f32)
+    with torch.autocast(q.device.type, enabled=False):      # the chunk products stay in float32
+        kl, pl = chunk_products(flat(kh, f32), wb, u, C, chunk)
+    o = PathScan.apply(flat(qh, f32), flat(kh, v.dtype), kl.to(v.dtype).contiguous(), flat(v), wb, u,
+                       pl.contiguous(), flat(sd, f32), G, scale, C, chunk)
     return o.view(B, H, Tp, DV)[:, :, :T]

@@ -121,24 +121,27 @@ def test_torch_path_matches_naive(T, D, block, gate):
 
 # ---- Triton kernel (interpreter on CPU, compiled on GPU) --------------------------------------------
 
-INTERP = [(1, 16, 16), (7, 32, 16), (97, 16, 16), (130, 32, 32), (70, 64, 64), (40, 128, 32)]
+# (T, D, block C, chunk R): chunks of 1, 2 and 3 blocks exercise the chunk level (step 3 of the
+# kernel) at these small T, with a last chunk that is full or partial; R = 8 only the block level
+INTERP = [(1, 16, 16, 8), (7, 32, 16, 8), (97, 16, 16, 2), (97, 16, 16, 3), (130, 32, 32, 1),
+          (70, 64, 64, 8), (40, 128, 32, 8), (128, 16, 16, 4)]
 
 
-@pytest.mark.parametrize("T,D,block", INTERP)
+@pytest.mark.parametrize("T,D,block,chunk", INTERP)
 @pytest.mark.parametrize("gate", [False, True])
-def test_triton_matches_naive_fp32(T, D, block, gate):
+def test_triton_matches_naive_fp32(T, D, block, chunk, gate):
     device = "cuda" if GPU else "cpu"
     xs = make_inputs(1, 2, T, D, gate=gate, dtype=torch.float32, device=device, seed=T + D)
     do = torch.randn(1, 2, T, D, device=device)
-    check(run(path_attention_triton, xs, do, block=block), reference(xs, do), names_for(xs), 1e-4)
+    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 1e-4)
 
 
-@pytest.mark.parametrize("T,D,block", [(7, 16, 16), (97, 32, 32)])
-def test_triton_matches_naive_fp16(T, D, block):
+@pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2)])
+def test_triton_matches_naive_fp16(T, D, block, chunk):
     device = "cuda" if GPU else "cpu"
     xs = make_inputs(1, 2, T, D, dtype=torch.float16, device=device, seed=T)
     do = torch.randn(1, 2, T, D, device=device)
-    check(run(path_attention_triton, xs, do, block=block), reference(xs, do), names_for(xs), 2e-2)
+    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
 
 
 @pytest.mark.gpu
@@ -151,6 +154,17 @@ def test_triton_matches_naive_fp16(T, D, block):
 def test_triton_gpu_default_blocks(T, D, dtype, tol, gate):
     xs = make_inputs(2, 3, T, D, gate=gate, dtype=dtype, device="cuda", seed=T * D)
     do = torch.randn(2, 3, T, D, device="cuda")
+    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+def test_triton_gpu_chunk_level(D, dtype, tol):
+    """T = 1100 with the default blocks: 2 full chunks and a partial one, so the chunk level runs."""
+    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D)
+    do = torch.randn(1, 2, 1100, D, device="cuda")
     check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
 
 

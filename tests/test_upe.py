@@ -86,7 +86,8 @@ def test_fast_matches_naive_float64(T, D, K, uniform, causal):
 
 
 @pytest.mark.parametrize("T,D,K,block", [(1, 16, 4, 16), (7, 16, 2, 16), (37, 32, 4, 16), (70, 64, 64, 64),
-                                         (20, 128, 8, 32), (48, 16, 4, 16)])
+                                         (20, 128, 8, 32), (48, 16, 4, 16), (45, 16, 4, (32, 16)),
+                                         (70, 16, 40, (64, 16))])
 @pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_matches_naive(T, D, K, block, uniform, causal):

@@ -32,7 +32,9 @@ and a query block then visits the key blocks right to left, scoring them with it
 query state and then carrying the state through the block's product P_m = I - W_m^T U_m
 (U = A W):  Q~ <- Q~ - (Q~ W_m^T) U_m. `path_attention_torch` is this algorithm in PyTorch; the
 Triton kernel (kernels/path_attention.py) runs it with an online softmax, one program per query
-block, and has its own backward.
+block, and has its own backward. It adds a second level: beyond its own chunk of 8 blocks a query
+state scores a whole chunk of keys at once (carried in advance to the chunk's end) and is then
+carried through the chunk's product, one D x D matrix.
 
 Usage:
 

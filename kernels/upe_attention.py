@@ -10,7 +10,7 @@ so no (T, T, D) or (T, T) tensor exists. Forward: one program per (query block, 
 softmax over the key blocks. Backward: `_bwd_dq` (per query block: dQ and the table gradients
 dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or slots share
 are summed in registers), then `_bwd_dkv` (per key block: dK, dV in registers). The caller pads T
-to the block with masked keys.
+to the largest tile with masked keys.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def _offset(i_pos, j_pos, K: tl.constexpr):
 
 
 # Each program walks its step tiles in three runs (`_runs`): tiles wholly clipped at one end, the
-# tiles of the clip band, tiles wholly clipped at the other end. MODE says which: in a clipped run
-# every logit of a row gets the same table entry, loaded once, so only the band gathers.
-LOW, BAND, HIGH = 0, 1, 2   # i - j <= -K (column 0), inside the band, i - j >= K (column 2K)
+# tiles of the clip band, tiles wholly clipped at the other end. MODE says which: 0 for i - j <= -K
+# (table column 0), 1 for the band, 2 for i - j >= K (column 2K). In a clipped run every logit of a
+# row gets the same table entry, loaded once, so only the band gathers.
 
 
 @triton.jit
@@ -268,7 +268,8 @@ def _bwd_dkv(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, DO, LSE, DELTA, DK, DV, T
 
 # Tiles and launch settings of each kernel: (own block, step block, warps, pipeline stages). The own
 # block is the program's rows (queries in _fwd and _bwd_dq, keys in _bwd_dkv), the step block the
-# tile it walks over. Picked by a sweep on an H100 at T = 4096 (README, "Speed at a glance").
+# tile it walks over. D <= 64: the best of a sweep on an H100 at T = 4096
+# (docs/results/upe_tile_sweep.txt); D = 128: smaller tiles for the registers, not swept.
 CONFIGS = {64: dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 2), dkv=(64, 64, 4, 2)),       # D <= 64
            128: dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkv=(64, 32, 4, 2))}
 

@@ -144,6 +144,28 @@ def test_triton_matches_naive_fp16(T, D, block, chunk):
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
 
 
+@pytest.mark.parametrize("T,D,C", [(16, 16, 16), (64, 32, 16), (64, 16, 32)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
+    """kernels.path_attention.UTBlocks (used for 16-bit inputs) against path_attention.ut_blocks in
+    float64: the four outputs and the gradients of q, k, w, beta for random upstream gradients. With
+    float32 inputs its products are exact float32; with fp16 they round their operands to fp16."""
+    from kernels.path_attention import UTBlocks
+    q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + C)
+    flat = lambda x: x.detach().reshape(3, T, -1).contiguous().requires_grad_(True)  # noqa: E731
+    xs = [flat(q), flat(k), flat(w), beta.detach().reshape(3, T).contiguous().requires_grad_(True)]
+    outs = UTBlocks.apply(*xs, 0.3, C)
+    ups = [torch.randn_like(o) for o in outs]
+    got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
+    ref = [x.detach().double().requires_grad_(True) for x in xs]
+    qh, kh, _, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, C)
+    want_outs = [x[0] for x in (qh, kh, u, sd)]
+    want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
+    for name, a, b in zip(["qh", "kh", "u", "sd", "dq", "dk", "dw", "dbeta"], got, want):
+        err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
+        assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("T", [1, 97, 130, 333])

@@ -30,8 +30,6 @@ def _offset(i_pos, j_pos, K: tl.constexpr):
 # tiles of the clip band, tiles wholly clipped at the other end. MODE says which: 0 for i - j <= -K
 # (table column 0), 1 for the band, 2 for i - j >= K (column 2K). In a clipped run every logit of a
 # row gets the same table entry, loaded once, so only the band gathers.
-
-
 @triton.jit
 def _runs(p0, start, end, K: tl.constexpr, OWN: tl.constexpr, STEP: tl.constexpr):
     """Split the step tiles [start, end) of a program whose own block starts at p0 into the three

@@ -47,7 +47,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 CHUNK = 8   # R: blocks per chunk
-UT_WARPS = 4
+UT_WARPS = 4  # warps of the fused UT kernels: 4 measured faster than 8 on an H100 (7.8 vs 11.3 ms)
 
 
 @triton.jit

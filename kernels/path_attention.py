@@ -48,6 +48,16 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels: 4 measured faster than 8 on an H100 (7.8 vs 11.3 ms)
+# Warps and pipeline stages of the attention kernels at D = 64: one stage measured fastest for _fwd and
+# _bwd_dq (H100, T = 4096, fwd+bwd: 21.4 -> 20.5 -> 19.7 ms; 8 warps were slower or failed to launch).
+# At D = 32 one stage gave NaN outputs for fp16/bf16 inputs (Triton 3.6, not understood), so every
+# other head dim keeps Triton's default (4 warps, 3 stages).
+LAUNCH = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
+              dkv=dict(num_warps=4, num_stages=3))
+
+
+def launch(name: str, D: int) -> dict:
+    return LAUNCH[name] if D == 64 else dict(num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -140,7 +150,7 @@ def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n
 
 
 @triton.jit
-def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
+def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
             R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
@@ -149,7 +159,8 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, DO, LSE, DELTA, XS, XL, DQH, DSD
     row = bh * T + i * C + rc
     do = tl.load(DO + row[:, None] * DV + rv[None, :])
     lse = tl.load(LSE + row)
-    delta = tl.load(DELTA + row)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * DV + rv[None, :]).to(tl.float32), 1)
+    tl.store(DELTA + row, delta)                                     # rowsum(dO * O), for _bwd_dkv
     if HAS_G:
         gq = tl.load(G + row) * 1.4426950408889634
     # diagonal block
@@ -208,7 +219,23 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, DO, LSE, DELTA, XS, XL, DQH, DSD
 
 
 @triton.jit
-def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP, DPL, DGK, T, n_blocks,
+def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G: tl.constexpr,
+              DV: tl.constexpr, PREC16: tl.constexpr):
+    """One (key block, query block) pair of `_bwd_dkv`, kept transposed (keys x queries) so that P^T
+    and dS^T are left operands as computed: adds to dV and the key side of dG, returns dS^T."""
+    st = tl.dot(k, tl.trans(qs), input_precision=PREC16) * qk_scale            # (C keys, C queries)
+    if HAS_G:
+        st += tl.load(G + row)[None, :] * 1.4426950408889634 - gk[:, None]
+    pt = tl.exp2(st - tl.load(LSE + row)[None, :])
+    do = tl.load(DO + row[:, None] * DV + rv[None, :])
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC16)
+    dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC16) - tl.load(DELTA + row)[None, :])
+    dg -= tl.sum(dst, 1)
+    return dst, dv, dg
+
+
+@triton.jit
+def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DPN, DPL, DGK, T, n_blocks,
              n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
              R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -217,53 +244,37 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP
     col = bh * T + m * C + rc
     kh = tl.load(KH + col[:, None] * D + rd[None, :])
     v = tl.load(V + col[:, None] * DV + rv[None, :])
+    gk = tl.load(G + col) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
+    # diagonal block (query block m itself), transposed: only dV and the gate here; sd's gradient is
+    # in _bwd_dq
+    st = tl.load(SD + col[None, :] * C + rc[:, None]) * 1.4426950408889634   # (keys, queries)
     if HAS_G:
-        gk = tl.load(G + col) * 1.4426950408889634
-    # diagonal block (query block m itself): only dV and the gate here; sd's gradient is in _bwd_dq
+        st += gk[None, :] - gk[:, None]
+    st = tl.where(rc[:, None] <= rc[None, :], st, float("-inf"))
+    pt = tl.exp2(st - tl.load(LSE + col)[None, :])
     do = tl.load(DO + col[:, None] * DV + rv[None, :])
-    lse = tl.load(LSE + col)
-    delta = tl.load(DELTA + col)
-    s = tl.load(SD + col[:, None] * C + rc[None, :]) * 1.4426950408889634
-    if HAS_G:
-        s += gk[:, None] - gk[None, :]
-    s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
-    p = tl.exp2(s - lse[:, None])
-    dv = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)    # (C, DV)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
-    dg = -tl.sum(ds, 0)
+    dv = tl.dot(pt.to(do.dtype), do, input_precision=PREC16)                   # (C, DV)
+    dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC16) - tl.load(DELTA + col)[None, :])
+    dg = -tl.sum(dst, 1)
     # the later query blocks of this chunk: keys kh, their states stored per block pair
     b = m // R
     dk = tl.zeros([C, D], dtype=tl.float32)
     dp_m = tl.zeros([D, D], dtype=tl.float32)
     for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
-        row = bh * T + i * C + rc
         at = (bh * n_intra + _intra(i, R) + i - 1 - m) * C * D + tile
         qs = tl.load(QS + at)
-        s = tl.dot(qs, tl.trans(kh), input_precision=PREC16) * qk_scale
-        if HAS_G:
-            s += tl.load(G + row)[:, None] * 1.4426950408889634 - gk[None, :]
-        p = tl.exp2(s - tl.load(LSE + row)[:, None])
-        do = tl.load(DO + row[:, None] * DV + rv[None, :])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - tl.load(DELTA + row)[:, None])
-        dg -= tl.sum(ds, 0)
-        dk += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC16)
+        dst, dv, dg = _dkv_pair(qs, kh, v, DO, LSE, DELTA, G, gk, bh * T + i * C + rc, rv, qk_scale, dv, dg,
+                                HAS_G, DV, PREC16)
+        dk += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
         dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
     # the query blocks of later chunks: keys kL, one state per (query block, chunk)
     kl = tl.load(KL + col[:, None] * D + rd[None, :])
     dkl = tl.zeros([C, D], dtype=tl.float32)
     for i in range(b * R + R, n_blocks):
-        row = bh * T + i * C + rc
         qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * C * D + tile)
-        s = tl.dot(qs, tl.trans(kl), input_precision=PREC16) * qk_scale
-        if HAS_G:
-            s += tl.load(G + row)[:, None] * 1.4426950408889634 - gk[None, :]
-        p = tl.exp2(s - tl.load(LSE + row)[:, None])
-        do = tl.load(DO + row[:, None] * DV + rv[None, :])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC16)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - tl.load(DELTA + row)[:, None])
-        dg -= tl.sum(ds, 0)
-        dkl += scale * tl.dot(tl.trans(ds).to(qs.dtype), qs, input_precision=PREC16)
+        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * C + rc, rv, qk_scale, dv, dg,
+                                HAS_G, DV, PREC16)
+        dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
     # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
     dpl = tl.zeros([D, D], dtype=tl.float32)
     for i in range(b * R + R + m % R, n_blocks, R):
@@ -271,9 +282,9 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     tl.store(DKH + col[:, None] * D + rd[None, :], dk)
     tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
-    tl.store(DV_ + col[:, None] * DV + rv[None, :], dv)
+    tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
-    tl.store(DP + dd, dp_m)
+    tl.store(DPN + dd, -dp_m)                        # negated: dW = -U dP^T, dU = -W dP need no sign pass
     tl.store(DPL + dd, dpl)
     if HAS_G:
         tl.store(DGK + col, dg)
@@ -295,20 +306,41 @@ def _mm(a, b, LP: tl.constexpr, dt):
 
 
 @triton.jit
-def _ut_factors(w, beta, TI, rc, C: tl.constexpr, INVERT: tl.constexpr, LP: tl.constexpr, dt):
-    """T^-1 for T = I + strictLower(diag(beta) W W^T) (by forward substitution, one row per step,
-    or loaded from TI) and A = T^-1 diag(beta). w: (C, D) float32, beta: (C,)."""
-    lower = rc[:, None] > rc[None, :]
-    if INVERT:
-        L = tl.where(lower, beta[:, None] * _mm(w, tl.trans(w), LP, dt), 0.0)
-        ti = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-        for i in range(1, C):                           # row i = e_i - L[i, :] T^-1 (rows < i done)
-            li = tl.sum(tl.where(rc[:, None] == i, L, 0.0), 0)               # L[i, :] as (C,)
-            ri = tl.where(rc == i, 1.0, 0.0) - tl.sum(li[:, None] * ti, 0)
-            ti = tl.where(rc[:, None] == i, ri[None, :], ti)
-    else:
-        ti = tl.load(TI)
-    return ti, ti * beta[None, :]
+def _piece(TI, row, r, c, C: tl.constexpr):
+    """Pointers to the 16 x 16 piece (r, c) of the C x C matrix of the block whose rows start at row."""
+    r16 = tl.arange(0, 16)
+    return TI + (row + r * 16 + r16)[:, None] * C + c * 16 + r16[None, :]
+
+
+@triton.jit
+def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, C: tl.constexpr):
+    """T^-1 for T = I + strictLower(diag(beta) W W^T) of one block (C rows from `row`), written to TI
+    (C x C) in pieces of 16 x 16. Piece (a, a) by forward substitution, one row per step; the pieces
+    left of it from the ones above: T^-1_ab = -T^-1_aa sum_{b <= c < a} L_ac T^-1_cb (L = T - I),
+    with exact float32 products. The pieces go through TI, so the caller syncs before loading it."""
+    r16, rd = tl.arange(0, 16), tl.arange(0, D)
+    eye = r16[:, None] == r16[None, :]
+    for a in tl.static_range(C // 16):
+        ra = row + a * 16 + r16                                          # (16,) rows of piece a
+        wa, beta_a = tl.load(W + ra[:, None] * D + rd[None, :]), tl.load(BETA + ra)
+        L = tl.where(r16[:, None] > r16[None, :], beta_a[:, None] * _mm(wa, tl.trans(wa), LP, dt), 0.0)
+        ti = tl.where(eye, 1.0, 0.0)
+        for i in range(1, 16):                           # row i = e_i - L[i, :] T^-1 (rows < i done)
+            li = tl.sum(tl.where(r16[:, None] == i, L, 0.0), 0)                   # L[i, :] as (16,)
+            ri = tl.where(r16 == i, 1.0, 0.0) - tl.sum(li[:, None] * ti, 0)
+            ti = tl.where(r16[:, None] == i, ri[None, :], ti)
+        tl.store(_piece(TI, row, a, a, C), ti)
+        for b in tl.static_range(C // 16):
+            if b > a:
+                tl.store(_piece(TI, row, a, b, C), tl.zeros([16, 16], tl.float32))
+        tl.debug_barrier()                                              # pieces of rows < a are stored
+        for b in tl.static_range(a):
+            acc = tl.zeros([16, 16], tl.float32)
+            for c in tl.static_range(b, a):
+                wc = tl.load(W + (row + c * 16 + r16)[:, None] * D + rd[None, :])
+                lac = beta_a[:, None] * _mm(wa, tl.trans(wc), LP, dt)
+                acc += tl.dot(lac, tl.load(_piece(TI, row, c, b, C)), input_precision="ieee")
+            tl.store(_piece(TI, row, a, b, C), -tl.dot(ti, acc, input_precision="ieee"))
 
 
 @triton.jit
@@ -320,8 +352,11 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
     row = bh * tl.num_programs(0) * C + blk * C + rc                  # (C,) token rows
     cd, cc = row[:, None] * D + rd[None, :], row[:, None] * C + rc[None, :]
     dt = Q.dtype.element_ty                                           # product operands with LP
+    _tril_inverse(W, BETA, TI, bh * tl.num_programs(0) * C + blk * C, LP, dt, D, C)
+    tl.debug_barrier()
     q, k, w = tl.load(Q + cd).to(tl.float32), tl.load(K + cd).to(tl.float32), tl.load(W + cd)
-    ti, a = _ut_factors(w, tl.load(BETA + row), TI + cc, rc, C, True, LP, dt)
+    ti = tl.load(TI + cc)
+    a = ti * tl.load(BETA + row)[None, :]                            # A = T^-1 diag(beta)
     u = _mm(a, w, LP, dt)
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0), LP, dt)
@@ -329,7 +364,6 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
     tl.store(KH + cd, k - _mm(tl.trans(f), w, LP, dt))
     tl.store(U + cd, u)
     tl.store(SD + cc, scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt)))
-    tl.store(TI + cc, ti)
 
 
 @triton.jit
@@ -343,7 +377,8 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
     dt = Q.dtype.element_ty                                           # product operands with LP
     q, k, w = tl.load(Q + cd).to(tl.float32), tl.load(K + cd).to(tl.float32), tl.load(W + cd)
     beta = tl.load(BETA + row)
-    ti, a = _ut_factors(w, beta, TI + cc, rc, C, False, LP, dt)
+    ti = tl.load(TI + cc)                                             # T^-1, stored by the forward
+    a = ti * beta[None, :]
     lower = rc[:, None] > rc[None, :]
     u = _mm(a, w, LP, dt)
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
@@ -371,8 +406,8 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
     dbeta += tl.sum(dtm * ww, 1)                                                  # row scaling
     dww = dtm * beta[:, None]
     dw += _mm(dww, w, LP, dt) + _mm(tl.trans(dww), w, LP, dt)
-    tl.store(DQ + cd, dq)
-    tl.store(DK + cd, dk)
+    tl.store(DQ + cd, dq.to(DQ.dtype.element_ty))
+    tl.store(DK + cd, dk.to(DK.dtype.element_ty))
     tl.store(DW + cd, dw)
     tl.store(DBETA + row, dbeta)
 
@@ -400,11 +435,11 @@ class UTBlocks(torch.autograd.Function):
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = [torch.zeros(BH, T, D, **f32) if g is None else g.float().contiguous() for g in (dqh, dkh, du)]
         dsd = torch.zeros(BH, T, ctx.C, **f32) if dsd is None else dsd.float().contiguous()
-        dq, dk, dw = (torch.empty(BH, T, D, **f32) for _ in range(3))
+        dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
         _ut_bwd[(T // ctx.C, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, C=ctx.C,
                                   LP=ctx.lp, num_warps=UT_WARPS)
-        return dq.to(q.dtype), dk.to(k.dtype), dw, dbeta, None, None
+        return dq, dk, dw, dbeta, None, None
 
 
 def chunk_products(kh, w, u, C: int, R: int):
@@ -426,6 +461,78 @@ def chunk_products(kh, w, u, C: int, R: int):
     return kl, suffix[:, :, 0] @ P[:, :, 0]
 
 
+@triton.jit
+def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+               PREC: tl.constexpr):
+    """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
+    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r. S is kept per block for the
+    backward; PL = S at the end."""
+    b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    dd = rd[:, None] * D + rd[None, :]
+    s = tl.where(rd[:, None] == rd[None, :], 1.0, 0.0)                    # (D, D)
+    for t in range(0, R):
+        m = b * R + R - 1 - t
+        if m < n_blocks:                                                  # the last chunk may be short
+            cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
+            tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
+            tl.store(KL + cd, tl.dot(tl.load(KH + cd), tl.trans(s), input_precision=PREC))
+            w, u = tl.load(W + cd), tl.load(U + cd)
+            s = s - tl.dot(tl.dot(s, tl.trans(w), input_precision=PREC), u, input_precision=PREC)
+    tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + dd, s)
+
+
+@triton.jit
+def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DKH, DW, DU, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
+               R: tl.constexpr, PREC: tl.constexpr):
+    """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
+    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r."""
+    b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    dd = rd[:, None] * D + rd[None, :]
+    ds = tl.load(DPL + (bh * tl.num_programs(0) + b) * D * D + dd)          # (D, D)
+    for r in range(0, R):
+        m = b * R + r
+        if m < n_blocks:
+            cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
+            s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
+            w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd), tl.load(DKL + cd)
+            dp = tl.dot(tl.trans(s), ds, input_precision=PREC)            # P = I - W^T U
+            tl.store(DW + cd, -tl.dot(u, tl.trans(dp), input_precision=PREC))
+            tl.store(DU + cd, -tl.dot(w, dp, input_precision=PREC))
+            ds = ds - tl.dot(tl.dot(ds, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
+            ds += tl.dot(tl.trans(dkl), kh, input_precision=PREC)
+            tl.store(DKH + cd, tl.dot(dkl, s, input_precision=PREC))
+
+
+class ChunkProducts(torch.autograd.Function):
+    """`chunk_products` as two Triton kernels, one program per chunk; TF32 products (for 16-bit
+    inputs; the float32 path keeps the exact PyTorch version)."""
+
+    @staticmethod
+    def forward(ctx, kh, w, u, C, R):
+        BH, T, D = kh.shape
+        n = T // C
+        n_chunks = -(-n // R)
+        f32 = dict(device=kh.device, dtype=torch.float32)
+        kl, pl, suf = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+        _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
+        ctx.save_for_backward(kh, w, u, suf)
+        ctx.C, ctx.R = C, R
+        return kl, pl
+
+    @staticmethod
+    def backward(ctx, dkl, dpl):
+        kh, w, u, suf = ctx.saved_tensors
+        BH, T, D = kh.shape
+        n = T // ctx.C
+        dkl = torch.zeros_like(kh) if dkl is None else dkl.float().contiguous()
+        dpl = torch.zeros(BH, -(-n // ctx.R), D, D, device=kh.device) if dpl is None else dpl.float().contiguous()
+        dkh, dw, du = (torch.empty_like(kh) for _ in range(3))
+        _chunk_bwd[(dpl.shape[1], BH)](kh, w, u, suf, dkl, dpl, dkh, dw, du, T, n, D=D, C=ctx.C, R=ctx.R, PREC="tf32")
+        return dkh, dw, du, None, None
+
+
 def block_size(D: int) -> int:
     """Block length C: 64 keeps the fp32 accumulators of the backward in registers up to D = 64."""
     return 64 if D <= 64 else 32
@@ -445,6 +552,7 @@ class PathScan(torch.autograd.Function):
         # float32 input: exact float32 products everywhere; 16-bit input: tensor-core products of the
         # input dtype, and TF32 for the float32 transport products of the carried query state
         prec, prec16 = ("ieee", "ieee") if v.dtype == torch.float32 else ("tf32", None)
+        kh, kl = kh.to(v.dtype).contiguous(), kl.to(v.dtype).contiguous()  # tensor-core operands
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
         states = lambda k: torch.empty(BH, max(k, 1), C, D, device=v.device, dtype=kh.dtype)  # noqa: E731
@@ -452,7 +560,7 @@ class PathScan(torch.autograd.Function):
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, HAS_G=has_g, SAVE=save,
-                      PREC=prec, PREC16=prec16)
+                      PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, kh, kl, v, w, u, pl, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec = scale, C, R, (prec, prec16)
         return o
@@ -467,25 +575,25 @@ class PathScan(torch.autograd.Function):
         n_chunks = pl.shape[1]
         n_intra, n_inter = n_states(n, R)
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)             # (BH, T): rowsum(dO * O)
+        delta = torch.empty(BH, T, device=v.device, dtype=torch.float32)   # written by _bwd_dq
         has_g = G is not None
         f32 = dict(device=v.device, dtype=torch.float32)
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, **f32), torch.empty(BH, T, C, **f32)
-        dkh, dkl, dv = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32), torch.empty(BH, T, DV, **f32)
-        dp, dpl = torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+        dkh, dkl = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32)
+        dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, do, lse, delta, xs, xl, dqh, dsd,
-                         dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, **meta)
-        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv, dp,
-                          dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta)
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh, dsd,
+                         dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, **meta, **launch("dq", D))
+        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
+                          dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta, **launch("dkv", D))
         wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
-        dw = -(ub @ dp.mT).view(BH, T, D)                    # P = I - W^T U  =>  dW = -U dP^T
-        du = -(wb @ dp).view(BH, T, D)                       #                    dU = -W dP
+        dw = (ub @ dpn.mT).view(BH, T, D)                    # P = I - W^T U  =>  dW = -U dP^T
+        du = (wb @ dpn).view(BH, T, D)                       #                    dU = -W dP
         dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
         dG = dgq + dgk if has_g else None
-        return (dqh, dkh.to(kh.dtype), dkl.to(kl.dtype), dv.to(v.dtype), dw, du, dpl, dsd, dG,
+        return (dqh, dkh, dkl, dv, dw, du, dpl, dsd, dG,
                 None, None, None)
 
 
@@ -515,7 +623,9 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
         qh, kh, u, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
                                        scale, C)
     with torch.autocast(q.device.type, enabled=False):      # the chunk products stay in float32
-        kl, pl = chunk_products(kh, w, u, C, chunk)
-    o = PathScan.apply(qh, kh.to(v.dtype), kl.to(v.dtype).contiguous(), flat(v), w, u, pl.contiguous(), sd, G,
-                       scale, C, chunk)
+        if q.dtype == torch.float32 or D not in (32, 64):   # D = 128: see ChunkProducts
+            kl, pl = chunk_products(kh, w, u, C, chunk)
+        else:
+            kl, pl = ChunkProducts.apply(kh, w, u, C, chunk)
+    o = PathScan.apply(qh, kh, kl, flat(v), w, u, pl, sd, G, scale, C, chunk)
     return o.view(B, H, Tp, DV)[:, :, :T]

@@ -11,9 +11,8 @@ Then the attention kernels see, for blocks of C tokens,
     sd:     the scaled logits inside each block                 (B*H, T, C) float32
     G:      the cumulative log forget gate (optional)           (B*H, T)    float32
 
-Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `ChunkProducts` (two
-Triton kernels, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, autograd,
-otherwise) multiplies each chunk's block products into one D x D matrix PL_b and carries every key
+Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
+(Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise) multiplies each chunk's block products into one D x D matrix PL_b and carries every key
 on to the end of its chunk (kL). A query then needs the block products only inside its
 own chunk; further left it scores a whole chunk of keys with one state and carries that state once
 per chunk. Forward, one program per (query block i in chunk a, batch*head), online softmax as in
@@ -495,10 +494,12 @@ def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DKH, DW, DU, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
+def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DW, DU, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
                R: tl.constexpr, PREC: tl.constexpr):
     """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
-    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r."""
+    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. The attention
+    kernels' own gradients are added on the way: their dP_r (DPN holds -dP_r) before dW and dU are
+    formed, their dkh (in DKH on entry) to dkh."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
@@ -509,41 +510,43 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DKH, DW, DU, T, n_blocks, D: tl.constexp
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
             w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd), tl.load(DKL + cd)
-            dp = tl.dot(tl.trans(s), ds, input_precision=PREC)            # P = I - W^T U
+            dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - tl.load(DPN + (bh * n_blocks + m) * D * D + dd)
+            # P = I - W^T U
             tl.store(DW + cd, -tl.dot(u, tl.trans(dp), input_precision=PREC))
             tl.store(DU + cd, -tl.dot(w, dp, input_precision=PREC))
             ds = ds - tl.dot(tl.dot(ds, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
             ds += tl.dot(tl.trans(dkl), kh, input_precision=PREC)
-            tl.store(DKH + cd, tl.dot(dkl, s, input_precision=PREC))
+            tl.store(DKH + cd, tl.load(DKH + cd) + tl.dot(dkl, s, input_precision=PREC))
 
 
-class ChunkProducts(torch.autograd.Function):
-    """`chunk_products` as two Triton kernels, one program per chunk; TF32 products (for 16-bit
-    inputs; the float32 path keeps the exact PyTorch version). D = 32 or 64: at D = 128 the D x D
-    tiles need 376,832 bytes of shared memory, more than an H100 has (232,448)."""
+def chunk_kernels_apply(D: int, dtype) -> bool:
+    """Whether `chunk_products_fwd` / `_bwd` (Triton, TF32) build the chunk products: fp16/bf16 inputs
+    with D = 32 or 64. At D = 128 their D x D tiles need 376,832 bytes of shared memory, more than an
+    H100 has (232,448); float32 inputs keep the exact `chunk_products`; D = 16 keeps it too."""
+    return dtype != torch.float32 and D in (32, 64)
 
-    @staticmethod
-    def forward(ctx, kh, w, u, C, R):
-        BH, T, D = kh.shape
-        n = T // C
-        n_chunks = -(-n // R)
-        f32 = dict(device=kh.device, dtype=torch.float32)
-        kl, pl, suf = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32), torch.empty(BH, n, D, D, **f32)
-        _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
-        ctx.save_for_backward(kh, w, u, suf)
-        ctx.C, ctx.R = C, R
-        return kl, pl
 
-    @staticmethod
-    def backward(ctx, dkl, dpl):
-        kh, w, u, suf = ctx.saved_tensors
-        BH, T, D = kh.shape
-        n = T // ctx.C
-        dkl = torch.zeros_like(kh) if dkl is None else dkl.float().contiguous()
-        dpl = torch.zeros(BH, -(-n // ctx.R), D, D, device=kh.device) if dpl is None else dpl.float().contiguous()
-        dkh, dw, du = (torch.empty_like(kh) for _ in range(3))
-        _chunk_bwd[(dpl.shape[1], BH)](kh, w, u, suf, dkl, dpl, dkh, dw, du, T, n, D=D, C=ctx.C, R=ctx.R, PREC="tf32")
-        return dkh, dw, du, None, None
+def chunk_products_fwd(kh, w, u, C: int, R: int):
+    """`chunk_products` in Triton, one program per chunk: kL, PL and the suffix products S per block
+    (kept for the backward). kh, w, u: (BH, T, D) float32."""
+    BH, T, D = kh.shape
+    n = T // C
+    n_chunks = -(-n // R)
+    f32 = dict(device=kh.device, dtype=torch.float32)
+    kl, pl, suf = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+    _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
+    return kl, pl, suf
+
+
+def chunk_products_bwd(kh, w, u, suf, dkl, dpl, dpn, dkh, C: int, R: int):
+    """The gradients of kh, w, u through `chunk_products_fwd` for dkL and dPL, plus the attention
+    kernels' own: dpn = -dP per block (BH, n, D, D), and dkh, to which the chunk's share is added in
+    place. Returns (dkh, dW, dU)."""
+    BH, T, D = kh.shape
+    dw, du = torch.empty_like(kh), torch.empty_like(kh)
+    _chunk_bwd[(dpl.shape[1], BH)](kh, w, u, suf, dkl, dpl, dpn, dkh, dw, du, T, T // C, D=D, C=C, R=R,
+                                   PREC="tf32")
+    return dkh, dw, du
 
 
 def block_size(D: int) -> int:
@@ -552,12 +555,20 @@ def block_size(D: int) -> int:
 
 
 class PathScan(torch.autograd.Function):
-    """o = attention over the block pairs, given the UT preprocessing and the chunk products (see the
-    module docstring)."""
+    """o = attention over the block pairs, given the UT preprocessing (see the module docstring). It
+    builds the chunk products itself, so that their backward can take in the attention kernels'
+    gradients of kh, W and U instead of autograd adding three (BH, T, D) tensors afterwards."""
 
     @staticmethod
-    def forward(ctx, qh, kh, kl, v, w, u, pl, sd, G, scale, C, R):
+    def forward(ctx, qh, kh, v, w, u, sd, G, scale, C, R):
         BH, T, D = qh.shape
+        kh32, fused = kh, chunk_kernels_apply(D, v.dtype)
+        if fused:
+            kl, pl, suf = chunk_products_fwd(kh, w, u, C, R)
+        else:
+            with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
+                (kl, pl), suf = chunk_products(kh, w, u, C, R), None
+            pl = pl.contiguous()
         DV = v.shape[-1]
         n = T // C
         n_intra, n_inter = n_states(n, R)
@@ -574,13 +585,13 @@ class PathScan(torch.autograd.Function):
         _fwd[(n, BH)](qh, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g, SAVE=save,
                       PREC=prec, PREC16=prec16, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, kh, kl, v, w, u, pl, sd, G, o, lse)
+        ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec = scale, C, R, (prec, prec16)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, kh, kl, v, w, u, pl, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse = ctx.saved_tensors
         scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -602,13 +613,19 @@ class PathScan(torch.autograd.Function):
                          **launch("dq", D))
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
                           dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta, **launch("dkv", D))
-        wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
-        dw = (ub @ dpn.mT).view(BH, T, D)                    # P = I - W^T U  =>  dW = -U dP^T
-        du = (wb @ dpn).view(BH, T, D)                       #                    dU = -W dP
         dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
+        if suf is not None:                                  # Triton: the chunk backward sums it all
+            dkh, dw, du = chunk_products_bwd(kh32, w, u, suf, dkl, dpl, dpn, dkh, C, R)
+        else:                                                # PyTorch: autograd through chunk_products
+            wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
+            dw = (ub @ dpn.mT).view(BH, T, D)                # P = I - W^T U  =>  dW = -U dP^T
+            du = (wb @ dpn).view(BH, T, D)                   #                    dU = -W dP
+            with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):
+                ins = [x.detach().requires_grad_(True) for x in (kh32, w, u)]
+                grads = torch.autograd.grad(chunk_products(*ins, C, R), ins, (dkl, dpl))
+            dkh, dw, du = dkh + grads[0], dw + grads[1], du + grads[2]
         dG = dgq + dgk if has_g else None
-        return (dqh, dkh, dkl, dv, dw, du, dpl, dsd, dG,
-                None, None, None)
+        return dqh, dkh, dv, dw, du, dsd, dG, None, None, None
 
 
 def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
@@ -636,10 +653,5 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     else:                                                   # 16-bit inputs: fused, tensor-core products
         qh, kh, u, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
                                        scale, C)
-    with torch.autocast(q.device.type, enabled=False):      # the chunk products stay in float32
-        if q.dtype == torch.float32 or D not in (32, 64):   # D = 128: see ChunkProducts
-            kl, pl = chunk_products(kh, w, u, C, chunk)
-        else:
-            kl, pl = ChunkProducts.apply(kh, w, u, C, chunk)
-    o = PathScan.apply(qh, kh, kl, flat(v), w, u, pl, sd, G, scale, C, chunk)
+    o = PathScan.apply(qh, kh, flat(v), w, u, sd, G, scale, C, chunk)
     return o.view(B, H, Tp, DV)[:, :, :T]

@@ -176,23 +176,31 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 
 @pytest.mark.parametrize("T,D,C,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
-    """kernels.path_attention.ChunkProducts against chunk_products in float64: kL, PL and the
-    gradients of kh, w, u, with a short last chunk (T = 112, R = 3) and one block per chunk."""
-    from kernels.path_attention import ChunkProducts, chunk_products
+    """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
+    float64: kL, PL and the gradients of kh, w, u, with a short last chunk (T = 112, R = 3) and one
+    block per chunk. The backward also takes in the attention kernels' own dP (as -dP) and dkh."""
+    from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
     w = 0.5 * F.normalize(torch.randn(3, T, D, generator=gen), dim=-1)
     u = 0.1 * torch.randn(3, T, D, generator=gen)
-    xs = [x.to(DEV).requires_grad_(True) for x in (kh, w, u)]
-    outs = ChunkProducts.apply(*xs, C, R)
-    ups = [torch.randn_like(o) for o in outs]
-    got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
-    ref = [x.detach().double().requires_grad_(True) for x in xs]
-    want_outs = chunk_products(*ref, C, R)
-    want = list(want_outs) + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
+    n = T // C
+    dkl, dkh0 = torch.randn(3, T, D, generator=gen), torch.randn(3, T, D, generator=gen)
+    dpl = torch.randn(3, -(-n // R), D, D, generator=gen)
+    dpn = torch.randn(3, n, D, D, generator=gen)                 # -dP of each block from elsewhere
+    kl, pl, suf = chunk_products_fwd(*(x.to(DEV) for x in (kh, w, u)), C, R)
+    grads = chunk_products_bwd(*(x.to(DEV) for x in (kh, w, u)), suf, dkl.to(DEV), dpl.to(DEV), dpn.to(DEV),
+                               dkh0.to(DEV).clone(), C, R)
+    ref = [x.double().requires_grad_(True) for x in (kh, w, u)]
+    want_kl, want_pl = chunk_products(*ref, C, R)
+    want = list(torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double())))
+    wb, ub = (x.double().view(3, n, C, D) for x in (w, u))
+    want[0] = want[0] + dkh0.double()
+    want[1] = want[1] + (ub @ dpn.double().mT).view(3, T, D)     # P = I - W^T U: dW = -U dP^T
+    want[2] = want[2] + (wb @ dpn.double()).view(3, T, D)        #                dU = -W dP
     tol = 1e-5 if not GPU else 5e-3            # TF32 products on a GPU; exact in the interpreter
-    for name, a, b in zip(["kL", "PL", "dkh", "dw", "du"], got, want):
-        err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
+    for name, a, b in zip(["kL", "PL", "dkh", "dw", "du"], [kl, pl, *grads], [want_kl, want_pl, *want]):
+        err = (a.double().cpu() - b.detach()).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 
 

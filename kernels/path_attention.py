@@ -12,10 +12,10 @@ Then the attention kernels see, for blocks of C tokens,
     G:      the cumulative log forget gate (optional)           (B*H, T)    float32
 
 Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
-(Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise) multiplies each chunk's block products into one D x D matrix PL_b and carries every key
-on to the end of its chunk (kL). A query then needs the block products only inside its
-own chunk; further left it scores a whole chunk of keys with one state and carries that state once
-per chunk. Forward, one program per (query block i in chunk a, batch*head), online softmax as in
+(Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
+multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to the
+end of its chunk (kL). A query then needs the block products only inside its own chunk; further
+left it scores a whole chunk of keys with one state and carries that state once per chunk. Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 
   1. the diagonal block, from sd;
@@ -32,9 +32,10 @@ memory), and
   `_bwd_dq`  (per query block, left to right) recomputes the softmax, writes X at each state,
              dQ^_i, the gradient of sd and the query side of dG;
   `_bwd_dkv` (per key block) accumulates dK^ (queries of its own chunk), dkL (later chunks), dV,
-             dP_m, its share of dPL_b and the key side of dG in registers: no atomics.
-
-The autograd Function turns dP_m into dW = -U dP^T and dU = -W dP (from P = I - W^T U).
+             dP_m, its share of dPL_b and the key side of dG in registers: no atomics;
+  `_chunk_bwd` (per chunk) takes dkL and dPL back through the chunk products to kh, W and U, adding
+             the attention kernels' dK^ and turning dP_m into dW = -U dP^T, dU = -W dP (from
+             P = I - W^T U).
 Tensors are padded to a multiple of C by the caller (zero w, beta = 0: H = I), so the kernels
 have no bounds checks. Logits are kept in base 2 (times log2 e) as in the Triton tutorial.
 """

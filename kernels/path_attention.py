@@ -92,7 +92,7 @@ def n_states(n: int, R: int) -> tuple[int, int]:
 
 @triton.jit
 def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
-    """One online-softmax update with base-2 logits s (C, C) and values v (C, DV)."""
+    """One online-softmax update with base-2 logits s (C, keys) and values v (keys, DV)."""
     mnew = tl.maximum(mx, tl.max(s, 1))
     alpha = tl.exp2(mx - mnew)
     p = tl.exp2(s - mnew[:, None])

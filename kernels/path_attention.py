@@ -161,6 +161,19 @@ def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n
 
 
 @triton.jit
+def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.constexpr, DV: tl.constexpr,
+             PREC16: tl.constexpr):
+    """One (query block, key tile) pair of `_bwd_dq`: the queries' state qs against the keys k at
+    rows col. Returns dS = dL/d(logit), (queries, keys)."""
+    s = tl.dot(qs, tl.trans(k), input_precision=PREC16) * qk_scale
+    if HAS_G:
+        s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
+    p = tl.exp2(s - lse[:, None])
+    v = tl.load(V + col[:, None] * DV + rv[None, :])
+    return p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
+
+
+@triton.jit
 def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
             R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
@@ -172,8 +185,7 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
     lse = tl.load(LSE + row)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * DV + rv[None, :]).to(tl.float32), 1)
     tl.store(DELTA + row, delta)                                     # rowsum(dO * O), for _bwd_dkv
-    if HAS_G:
-        gq = tl.load(G + row) * 1.4426950408889634
+    gq = tl.load(G + row) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
     # diagonal block
     s = tl.load(SD + row[:, None] * C + rc[None, :]) * 1.4426950408889634
     if HAS_G:
@@ -197,12 +209,7 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
         for j in range(0, R * C, KB):                     # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
-            sk = tl.dot(qs, tl.trans(kl), input_precision=PREC16) * qk_scale
-            if HAS_G:
-                sk += gq[:, None] - tl.load(G + ck)[None, :] * 1.4426950408889634
-            pk = tl.exp2(sk - lse[:, None])
-            vk = tl.load(V + ck[:, None] * DV + rv[None, :])
-            dsk = pk * (tl.dot(do, tl.trans(vk), input_precision=PREC16) - delta[:, None])
+            dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
             dg += tl.sum(dsk, 1)
             x += scale * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
     # the earlier blocks of this chunk, left to right
@@ -213,12 +220,7 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
         tl.store(XS + at, x.to(XS.dtype.element_ty))
         qs = tl.load(QS + at)
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        s = tl.dot(qs, tl.trans(kh), input_precision=PREC16) * qk_scale
-        if HAS_G:
-            s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
-        p = tl.exp2(s - lse[:, None])
-        v = tl.load(V + col[:, None] * DV + rv[None, :])
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
+        ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
         w = tl.load(W + col[:, None] * D + rd[None, :])
         u = tl.load(U + col[:, None] * D + rd[None, :])

@@ -266,8 +266,9 @@ def _bwd_dkv(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, DO, LSE, DELTA, DK, DV, T
 
 # Tiles and launch settings of each kernel: (own block, step block, warps, pipeline stages). The own
 # block is the program's rows (queries in _fwd and _bwd_dq, keys in _bwd_dkv), the step block the
-# tile it walks over. D <= 64: the best of a sweep on an H100 at T = 4096
-# (docs/results/upe_tile_sweep.txt); D = 128: smaller tiles for the registers, not swept.
+# tile it walks over. D <= 64: the best of a sweep on an H100 at T = 4096, dq swept again after the
+# tables were reversed (docs/results/upe_tile_sweep.txt); D = 128: smaller tiles for the registers,
+# not swept.
 CONFIGS = {64: dict(fwd=(64, 64, 4, 3), dq=(64, 32, 4, 3), dkv=(64, 64, 4, 2)),       # D <= 64
            128: dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkv=(64, 32, 4, 2))}
 

@@ -43,35 +43,36 @@ def _runs(p0, start, end, K: tl.constexpr, OWN: tl.constexpr, STEP: tl.constexpr
 
 
 @triton.jit
-def _logits(q, k, t_lo, t_hi, TR, TC, SLOTB, MASKB, row, i_pos, j_pos, j0, s_lo, s_hi, qk_scale,
+def _logits(a, b, ii, jj, t_lo, t_hi, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_hi, qk_scale,
             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, MODE: tl.constexpr,
             HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 logits of one tile (queries i_pos x KB keys from j0), masked. t_lo, t_hi: the table
-    entries of columns 0 and 2K of each query row, used in the clipped runs; the band gathers. Keys
-    with a slot (those in [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    """Base-2 logits a b^T of one tile of KB keys from j0, masked, in either orientation: (a, b) =
+    (q, k) with query positions ii = i[:, None] and key positions jj = j[None, :], or (k, q) with
+    ii = i[None, :] and jj = j[:, None]. t_lo, t_hi (shaped like ii): the table entries of columns 0
+    and 2K of each query, used in the clipped runs; the band gathers. Keys with a slot (those in
+    [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead."""
+    s = tl.dot(a, tl.trans(b), input_precision=PREC)
+    row = bh * T + ii                                        # the queries' table rows
     if MODE == 1:
-        dif = tl.minimum(tl.maximum(j_pos[None, :] - i_pos[:, None], -K), K)   # j - i, clipped
-        t = tl.load(TR + row[:, None] * NR + K + dif).to(tl.float32)
+        t = tl.load(TR + row * NR + K + tl.minimum(tl.maximum(jj - ii, -K), K)).to(tl.float32)
     elif MODE == 0:
-        t = t_lo[:, None] + tl.zeros_like(s)                 # (the compiler wants one shape in all three)
+        t = t_lo + tl.zeros_like(s)                          # (the compiler wants one shape in all three)
     else:
-        t = t_hi[:, None] + tl.zeros_like(s)
+        t = t_hi + tl.zeros_like(s)
     if HAS_UNI:
         if (j0 < s_hi) & (j0 + KB > s_lo):                   # only tiles that may hold slot keys
-            sl = tl.load(SLOTB + j_pos)
-            tc = tl.load(TC + row[:, None] * NC + tl.maximum(sl, 0)[None, :]).to(tl.float32)
-            t = tl.where(sl[None, :] >= 0, tc, t)
+            sl = tl.load(SLOTB + jj)
+            t = tl.where(sl >= 0, tl.load(TC + row * NC + tl.maximum(sl, 0)).to(tl.float32), t)
     s = (s + t) * qk_scale
     if HAS_MASK:                                             # a key padding mask or padded keys
-        s = tl.where((tl.load(MASKB + j_pos) != 0)[None, :], s, float("-inf"))
+        s = tl.where(tl.load(MASKB + jj) != 0, s, float("-inf"))
     if CAUSAL:
-        s = tl.where(j_pos[None, :] <= i_pos[:, None], s, float("-inf"))
+        s = tl.where(jj <= ii, s, float("-inf"))
     return s
 
 
 @triton.jit
-def _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi,
+def _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, i_pos, j0, s_lo, s_hi,
               qk_scale, NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
               BN: tl.constexpr, MODE: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr,
               CAUSAL: tl.constexpr, PREC: tl.constexpr):
@@ -79,8 +80,8 @@ def _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, 
     rd = tl.arange(0, D)
     j_pos = j0 + tl.arange(0, BN)
     k = tl.load(KP + (bh * T + j_pos)[:, None] * D + rd[None, :])
-    s = _logits(q, k, t_lo, t_hi, TR, TC, SLOTB, MASKB, row, i_pos, j_pos, j0, s_lo, s_hi, qk_scale,
-                NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    s = _logits(q, k, i_pos[:, None], j_pos[None, :], t_lo[:, None], t_hi[:, None], TR, TC, SLOTB, MASKB, bh,
+                T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     mnew = tl.maximum(mx, tl.max(s, 1))
     m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
     alpha = tl.exp2(mx - m_safe)
@@ -112,16 +113,16 @@ def _fwd(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, LSE, T, H, qk_scale,
     n_keys = (i + 1) * BM if CAUSAL else T
     a, c = _runs(i * BM, 0, n_keys, K, BM, BN)
     for j0 in range(0, a, BN):                                   # keys far left: j - i <= -K
-        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, row,
-                                  i_pos, j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 0, HAS_UNI, HAS_MASK,
+        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, i_pos,
+                                  j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 0, HAS_UNI, HAS_MASK,
                                   CAUSAL, PREC)
     for j0 in range(a, c, BN):                                   # the clip band
-        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, row,
-                                  i_pos, j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 1, HAS_UNI, HAS_MASK,
+        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, i_pos,
+                                  j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 1, HAS_UNI, HAS_MASK,
                                   CAUSAL, PREC)
     for j0 in range(c, n_keys, BN):                              # keys far right: j - i >= K
-        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, row,
-                                  i_pos, j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 2, HAS_UNI, HAS_MASK,
+        acc, mx, lsum = _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, i_pos,
+                                  j0, s_lo, s_hi, qk_scale, NR, NC, K, D, BN, 2, HAS_UNI, HAS_MASK,
                                   CAUSAL, PREC)
     tl.store(O + row[:, None] * D + rd[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
     tl.store(LSE + row, mx + tl.log2(lsum))
@@ -137,8 +138,8 @@ def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DT
     j_pos = j0 + tl.arange(0, BN)
     col = bh * T + j_pos
     k = tl.load(KP + col[:, None] * D + rd[None, :])
-    s = _logits(q, k, t_lo, t_hi, TR, TC, SLOTB, MASKB, row, i_pos, j_pos, j0, s_lo, s_hi, qk_scale,
-                NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    s = _logits(q, k, i_pos[:, None], j_pos[None, :], t_lo[:, None], t_hi[:, None], TR, TC, SLOTB, MASKB, bh,
+                T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     p = tl.exp2(s - lse[:, None])
     v = tl.load(V + col[:, None] * D + rd[None, :])
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
@@ -216,19 +217,20 @@ def _dkv_tile(k, v, dk, dv, Q, DO, LSE, DELTA, TR, TE, TC, SLOTB, MASKB, bh, T, 
               qk_scale, scale, NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr, HAS_UNI: tl.constexpr,
               HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """The queries i0 ... i0 + BN - 1 of `_bwd_dkv`: their share of dK and dV."""
+    """The queries i0 ... i0 + BN - 1 of `_bwd_dkv`: their share of dK and dV. The tile is kept
+    transposed (keys x queries), so that P^T and dS^T are left operands as computed."""
     rd = tl.arange(0, D)
     i_pos = i0 + tl.arange(0, BN)
     row = bh * T + i_pos
     q = tl.load(Q + row[:, None] * D + rd[None, :])
     t_lo, t_hi = tl.load(TE + row * 2).to(tl.float32), tl.load(TE + row * 2 + 1).to(tl.float32)
-    s = _logits(q, k, t_lo, t_hi, TR, TC, SLOTB, MASKB, row, i_pos, j_pos, j0, s_lo, s_hi, qk_scale,
-                NR, NC, K, BM, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
-    p = tl.exp2(s - tl.load(LSE + row)[:, None])
+    st = _logits(k, q, i_pos[None, :], j_pos[:, None], t_lo[None, :], t_hi[None, :], TR, TC, SLOTB, MASKB, bh,
+                 T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BM, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    pt = tl.exp2(st - tl.load(LSE + row)[None, :])
     do = tl.load(DO + row[:, None] * D + rd[None, :])
-    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - tl.load(DELTA + row)[:, None]) * scale
-    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+    dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - tl.load(DELTA + row)[None, :]) * scale
+    dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 

@@ -15,7 +15,8 @@ Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `ch
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to the
 end of its chunk (kL). A query then needs the block products only inside its own chunk; further
-left it scores a whole chunk of keys with one state and carries that state once per chunk. Forward, one program per (query block i in chunk a, batch*head), online softmax as in
+left it scores a whole chunk of keys with one state and carries that state once per chunk.
+Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 
   1. the diagonal block, from sd;
@@ -103,8 +104,8 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 
 @triton.jit
 def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
-         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr,
-         SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
+         HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (C, D)
@@ -176,7 +177,8 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 @triton.jit
 def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-            R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+            R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
+            PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]
@@ -513,7 +515,8 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DW, DU, T, n_blocks, D: tl.con
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
             w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd), tl.load(DKL + cd)
-            dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - tl.load(DPN + (bh * n_blocks + m) * D * D + dd)
+            dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd)         # -dP_m of the attention kernels
+            dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - dpn
             # P = I - W^T U
             tl.store(DW + cd, -tl.dot(u, tl.trans(dp), input_precision=PREC))
             tl.store(DU + cd, -tl.dot(w, dp, input_precision=PREC))
@@ -536,7 +539,8 @@ def chunk_products_fwd(kh, w, u, C: int, R: int):
     n = T // C
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
-    kl, pl, suf = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+    kl, pl = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32)
+    suf = torch.empty(BH, n, D, D, **f32)
     _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
     return kl, pl, suf
 
@@ -565,8 +569,8 @@ class PathScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qh, kh, v, w, u, sd, G, scale, C, R):
         BH, T, D = qh.shape
-        kh32, fused = kh, chunk_kernels_apply(D, v.dtype)
-        if fused:
+        kh32 = kh                                            # float32, for the chunk products' backward
+        if chunk_kernels_apply(D, v.dtype):
             kl, pl, suf = chunk_products_fwd(kh, w, u, C, R)
         else:
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
@@ -586,8 +590,8 @@ class PathScan(torch.autograd.Function):
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
-                      n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g, SAVE=save,
-                      PREC=prec, PREC16=prec16, **launch("fwd", D))
+                      n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
+                      SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec = scale, C, R, (prec, prec16)
         return o
@@ -611,11 +615,12 @@ class PathScan(torch.autograd.Function):
         dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh, dsd,
-                         dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R), **meta,
-                         **launch("dq", D))
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
+                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
+                         **meta, **launch("dq", D))
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
-                          dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta, **launch("dkv", D))
+                          dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
+                          **launch("dkv", D))
         dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
         if suf is not None:                                  # Triton: the chunk backward sums it all
             dkh, dw, du = chunk_products_bwd(kh32, w, u, suf, dkl, dpl, dpn, dkh, C, R)

@@ -13,6 +13,8 @@ import vipe
 from train import ModelConfig, main
 from vipe import ViPEAttention, vipe_attention, vipe_attention_naive
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 NAMES = ["q", "k", "v", "u", "w_p", "b_p"]
 
 
@@ -120,7 +122,7 @@ def test_u_zero_identities(s):
 
 
 def test_backend_switch(monkeypatch):
-    xs = [x.detach().float() for x in make_inputs(1, 2, 5, 8, 7, 2)]
+    xs = [x.detach().float().to(DEV) for x in make_inputs(1, 2, 5, 8, 7, 2)]
     want = vipe_attention_naive(*xs)
     for backend in ("naive", "torch", "triton"):      # triton: through the interpreter on the CPU
         monkeypatch.setattr(vipe, "BACKEND", backend)
@@ -166,8 +168,6 @@ def test_cli_rejects_a_bad_method_option(capsys, tmp_path):
 
 
 # ---- the Triton kernels around SDPA (interpreter on CPU, compiled on a GPU) ----------------------
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("T", [1, 7, 97, 130])

@@ -1,7 +1,7 @@
 """Triton kernels for RPE / UPE attention: FlashAttention with gathered position logits.
 
 The logit of query i and key j is (q_i . k_j + t_ij) * scale, where t_ij is looked up in per-query
-tables built by PyTorch (upe.py differentiates them with autograd):
+tables that `upe_attention_triton` builds with PyTorch matmuls (autograd carries their gradient on):
 
     QR: (B*H, T, 2K+1)  column c = clip(j - i, -K, K) + K holds q_i . R[2K - c] = q_i . R[o] for the
                         clipped offset o = clip(i - j, -K, K) + K

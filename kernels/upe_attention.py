@@ -1,17 +1,26 @@
 """Triton kernels for RPE / UPE attention: FlashAttention with gathered position logits.
 
 The logit of query i and key j is (q_i . k_j + t_ij) * scale, where t_ij is looked up in per-query
-tables that `upe_attention_triton` builds with PyTorch matmuls (autograd carries their gradient on):
+tables:
 
-    QR: (B*H, T, 2K+1)  column c = clip(j - i, -K, K) + K holds q_i . R[2K - c] = q_i . R[o] for the
-                        clipped offset o = clip(i - j, -K, K) + K
-    QC: (B*H, T, M)     q_i . C[m]  used instead when key j has slot m >= 0
+    QR: (B*H, T, NR)    column c = clip(j - i, -K, K) + K holds q_i . R[2K - c] = q_i . R[o] for the
+                        clipped offset o = clip(i - j, -K, K) + K     (`_table` builds it)
+    QC: (B*H, T, M)     q_i . C[m]  used instead when key j has slot m >= 0  (a PyTorch matmul)
 
-so no (T, T, D) or (T, T) tensor exists. Forward: one program per (query block, batch*head), online
-softmax over the key blocks. Backward: `_bwd_dq` (per query block: dQ and the table gradients
-dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or slots share
-are summed in registers), then `_bwd_dkv` (per key block: dK, dV in registers). The caller pads T
-to the largest tile with masked keys.
+so no (T, T, D) or (T, T) tensor exists. Forward: `_table`, then one program per (query block,
+batch*head), online softmax over the key blocks. Backward: `_bwd_dq` (per query block: dQ and the
+table gradients dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or
+slots share are summed in registers), then `_bwd_dkv` (per key block: dK, dV in registers), then
+dQ += dQR R and dR = dQR^T Q (PyTorch matmuls). The caller pads T to the largest tile with masked
+keys.
+
+QR has NR columns, NR = 1 (mod 8) and NR >= 2K + 8 (521 for K = 256; the columns after 2K are
+padding). Row i then starts at i (mod 8), the cell of key j lies at i (NR - 1) + K + j, and for K
+a multiple of 8 the band's cells of 8 consecutive keys are one aligned 16-byte load (bf16). The band
+is loaded unclipped and the cells beyond +-K (which lie in the same table, in other columns or
+rows) are replaced by the two clipped entries. Rows of that width are why the table is built in
+Triton (`_table`, aligned stores too): cuBLAS writes 513-wide rows with slow kernels. dQR has
+NG = NR - 1 columns, a multiple of 8, for the matmuls.
 
 QR is q R^T with R in reverse order, so that along a query's row the columns of consecutive keys are
 consecutive and ascending. The compiler then lays out the stores of the table gradient in the clip
@@ -43,6 +52,39 @@ def _runs(p0, start, end, K: tl.constexpr, OWN: tl.constexpr, STEP: tl.constexpr
 
 
 @triton.jit
+def _table(Q, RR, TR, TE, T, H, NR: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+           BC: tl.constexpr, PREC: tl.constexpr):
+    """QR = Q R^T, and TE, the copy of its columns 0 and 2K that the clipped tiles read.
+    RR: (H, NR - 1, D), R reversed, zero rows after 2K. Program (m, r, bh) takes BM rows of one
+    residue r = i mod 8, i = 8 (m BM + 0 ... BM - 1) + r. Row i starts at cell i NR = i (mod 8), so
+    the program writes the NR - 1 cells from column -r: they start at i NR - r, a multiple of 8, and
+    every store is 16 aligned bytes (bf16). Columns -r ... -1 are the padding columns NR - r ... NR - 1
+    of row i - 1 (NR >= 2K + 8), which no program writes; the ranges of all rows are disjoint."""
+    m, r, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rd, x = tl.arange(0, D), tl.arange(0, BC)
+    i = 8 * (m * BM + tl.arange(0, BM)) + r                                   # (BM,) rows
+    ok = i < T
+    q = tl.load(Q + (bh * T + i)[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
+    q = q.to(TR.dtype.element_ty)                                             # (BM, D)
+    RRH = RR + (bh % H) * (NR - 1) * D
+    # where row i's range starts, i NR - r: a multiple of 8 (T is one), which the compiler cannot see
+    start = tl.multiple_of(bh * T * NR + 8 * (m * BM + tl.arange(0, BM)) * NR + r * (NR - 1), 8)
+    for c0 in tl.static_range(0, NR - 1, BC):
+        c = c0 - r + x                                                        # (BC,) columns
+        rv = tl.load(RRH + c[:, None] * D + rd[None, :], mask=((c >= 0) & (c < NR - 1))[:, None], other=0.0)
+        t = tl.dot(q, tl.trans(rv), input_precision=PREC).to(TR.dtype.element_ty)      # (BM, BC)
+        tl.store(TR + start[:, None] + c0 + x[None, :], t, mask=ok[:, None] & (x < NR - 1 - c0)[None, :])
+        if c0 == 0:
+            tl.store(TE + (bh * T + i) * 2, tl.sum(tl.where(c[None, :] == 0, t, 0.0), 1).to(TE.dtype.element_ty),
+                     mask=ok)
+        if (c0 <= 2 * K + 7) and (2 * K < c0 + BC):                           # column 2K may be here
+            first = c0 - r + tl.zeros_like(i)                                 # (BM,) column of x = 0
+            hit = (first <= 2 * K) & (first + BC > 2 * K)
+            tl.store(TE + (bh * T + i) * 2 + 1,
+                     tl.sum(tl.where(c[None, :] == 2 * K, t, 0.0), 1).to(TE.dtype.element_ty), mask=ok & hit)
+
+
+@triton.jit
 def _logits(a, b, ii, jj, t_lo, t_hi, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_hi, qk_scale,
             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, MODE: tl.constexpr,
             HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
@@ -53,8 +95,10 @@ def _logits(a, b, ii, jj, t_lo, t_hi, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_h
     [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead."""
     s = tl.dot(a, tl.trans(b), input_precision=PREC)
     row = bh * T + ii                                        # the queries' table rows
-    if MODE == 1:
-        t = tl.load(TR + row * NR + K + tl.minimum(tl.maximum(jj - ii, -K), K)).to(tl.float32)
+    if MODE == 1:   # the cell of (i, j) is row(i) NR + K + j - i = bh T NR + i (NR - 1) + K + j
+        dif = jj - ii
+        t = tl.load(TR + bh * T * NR + ii * (NR - 1) + K + jj).to(tl.float32)
+        t = tl.where(dif <= -K, t_lo, tl.where(dif >= K, t_hi, t))
     elif MODE == 0:
         t = t_lo + tl.zeros_like(s)                          # (the compiler wants one shape in all three)
     else:
@@ -130,7 +174,7 @@ def _fwd(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, LSE, T, H, qk_scale,
 
 @triton.jit
 def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR, TC, SLOTB, MASKB, bh, T,
-             row, i_pos, j0, s_lo, s_hi, qk_scale, scale, NR: tl.constexpr, NC: tl.constexpr,
+             row, i_pos, j0, s_lo, s_hi, qk_scale, scale, NR: tl.constexpr, NG: tl.constexpr, NC: tl.constexpr,
              NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
              HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """The keys j0 ... j0 + BN - 1 of `_bwd_dq`: their share of dQ and of the table gradients."""
@@ -160,13 +204,13 @@ def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DT
         dif = j_pos[None, :] - i_pos[:, None]            # (BM, BN): j - i
         d_lo += tl.sum(tl.where(dif <= -K, ds, 0.0), 1)
         d_hi += tl.sum(tl.where(dif >= K, ds, 0.0), 1)
-        tl.store(DTR + row[:, None] * NR + K + dif, ds, mask=(dif > -K) & (dif < K))
+        tl.store(DTR + row[:, None] * NG + K + dif, ds, mask=(dif > -K) & (dif < K))
     return dq, d_lo, d_hi, d_uni
 
 
 @triton.jit
 def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale,
-            scale, NR: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr,
+            scale, NR: tl.constexpr, NG: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr,
             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_UNI: tl.constexpr,
             HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """dQ and the table gradients of BM queries, without atomics: inside the clip band each
@@ -195,18 +239,18 @@ def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR
     for j0 in range(0, a, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NC, NCP, K, D, BN, 0, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+                                         NR, NG, NC, NCP, K, D, BN, 0, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(a, c, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NC, NCP, K, D, BN, 1, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+                                         NR, NG, NC, NCP, K, D, BN, 1, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(c, n_keys, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NC, NCP, K, D, BN, 2, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+                                         NR, NG, NC, NCP, K, D, BN, 2, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    tl.store(DTR + row * NG, d_lo)
+    tl.store(DTR + row * NG + 2 * K, d_hi)
     tl.store(DQ + row[:, None] * D + rd[None, :], dq)
-    tl.store(DTR + row * NR, d_lo)
-    tl.store(DTR + row * NR + 2 * K, d_hi)
     if HAS_UNI:
         ru = tl.arange(0, NCP)
         tl.store(DTC + row[:, None] * NC + ru[None, :], d_uni, mask=ru[None, :] < NC)
@@ -271,6 +315,7 @@ def _bwd_dkv(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, DO, LSE, DELTA, DK, DV, T
 # tile it walks over. D <= 64: the best of a sweep on an H100 at T = 4096, dq swept again after the
 # tables were reversed (docs/results/upe_tile_sweep.txt); D = 128: smaller tiles for the registers,
 # not swept.
+TABLE = (64, 128, 4)    # `_table`: rows per residue, columns per step, warps
 CONFIGS = {64: dict(fwd=(64, 64, 4, 3), dq=(64, 32, 4, 3), dkv=(64, 64, 4, 2)),       # D <= 64
            128: dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkv=(64, 32, 4, 2))}
 
@@ -286,49 +331,75 @@ def launch_configs(D: int, T: int, block=None) -> dict:
             for name, (own, step, warps, stages) in CONFIGS[64 if D <= 64 else 128].items()}
 
 
+def build_table(q, rr, H: int, K: int):
+    """QR (B*H, T, NR) and its columns 0 and 2K (B*H, T, 2) from q (B*H, T, D) and the reversed,
+    zero-padded R (H, NR - 1, D), in R's dtype; the padding columns of QR are left unwritten.
+    T must be a multiple of 8 (the caller pads it to the tile), so that every (batch, head) starts
+    aligned."""
+    BH, T, D = q.shape
+    if T % 8:
+        raise ValueError(f"build_table needs T a multiple of 8, got {T}")
+    NR = rr.shape[1] + 1
+    tr = torch.empty(BH, T, NR, device=q.device, dtype=rr.dtype)
+    te = torch.empty(BH, T, 2, device=q.device, dtype=rr.dtype)
+    bm, bc, warps = TABLE
+    _table[(triton.cdiv(T, 8 * bm), 8, BH)](q, rr, tr, te, T, H, NR=NR, K=K, D=D, BM=bm, BC=bc,
+                                            PREC="ieee" if rr.dtype == torch.float32 else None, num_warps=warps)
+    return tr, te
+
+
 class UPEFlash(torch.autograd.Function):
+    """(q, k, v, R reversed, QC, ...) -> o; builds QR itself (`_table`) and returns the gradient of R."""
+
     @staticmethod
-    def forward(ctx, q, k, v, tr, tc, slot, srange, mask, has_mask, H, K, scale, causal, cfg):
+    def forward(ctx, q, k, v, rr, tc, slot, srange, mask, has_mask, H, K, scale, causal, cfg):
         BH, T, D = q.shape
+        NG = rr.shape[1]
         has_uni = tc is not None
         prec = "ieee" if q.dtype == torch.float32 else None
+        tr, te = build_table(q, rr, H, K)
         o = torch.empty_like(q)
         lse = torch.empty(BH, T, device=q.device, dtype=torch.float32)
-        te = torch.stack((tr[..., 0], tr[..., 2 * K]), -1)      # (BH, T, 2): the two clipped entries
         tc_ = tc if has_uni else tr
         meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, HAS_UNI=has_uni, HAS_MASK=has_mask,
                     CAUSAL=causal, PREC=prec)
         own, step, warps, stages = cfg["fwd"]
         _fwd[(T // own, BH)](q, k, v, tr, te, tc_, slot, srange, mask, o, lse, T, H, scale * 1.4426950408889634,
                              **meta, BM=own, BN=step, num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, tr, te, tc_, slot, srange, mask, o, lse)
+        ctx.save_for_backward(q, k, v, rr, tr, te, tc_, slot, srange, mask, o, lse)
         ctx.meta, ctx.H, ctx.scale, ctx.has_uni, ctx.cfg = meta, H, scale, has_uni, cfg
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, tr, te, tc, slot, srange, mask, o, lse = ctx.saved_tensors
+        q, k, v, rr, tr, te, tc, slot, srange, mask, o, lse = ctx.saved_tensors
         meta, H, scale, cfg = ctx.meta, ctx.H, ctx.scale, ctx.cfg
         BH, T, D = q.shape
         do = do.contiguous()
         delta = torch.empty(BH, T, device=q.device, dtype=torch.float32)   # written by _bwd_dq
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))   # the kernels accumulate in float32
-        dtr, dtc = torch.zeros_like(tr), torch.zeros_like(tc)
+        NG = rr.shape[1]
+        dtr = torch.zeros(BH, T, NG, device=q.device, dtype=rr.dtype)      # dQR
+        dtc = torch.zeros_like(tc)
         args = (T, H, scale * 1.4426950408889634, scale)
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
         own, step, warps, stages = cfg["dq"]
         _bwd_dq[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, o, do, lse, delta, dq, dtr, dtc, *args,
-                                NCP=ncp, **meta, BM=own, BN=step, num_warps=warps, num_stages=stages)
+                                NG=NG, NCP=ncp, **meta, BM=own, BN=step, num_warps=warps,
+                                num_stages=stages)
         own, step, warps, stages = cfg["dkv"]
         _bwd_dkv[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, do, lse, delta, dk, dv, *args, **meta,
                                  BM=own, BN=step, num_warps=warps, num_stages=stages)
-        return (dq, dk, dv, dtr, dtc if ctx.has_uni else None,
+        B = BH // H
+        dq = dq + (dtr.view(B, H, T, NG) @ rr[None]).view(BH, T, D)
+        drr = (dtr.view(B, H, T, NG).transpose(-1, -2) @ q.view(B, H, T, D).to(rr.dtype)).sum(0)  # (H, NG, D)
+        return (dq, dk, dv, drr, dtc if ctx.has_uni else None,
                 None, None, None, None, None, None, None, None, None)
 
 
 def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
-    """Same contract as upe.upe_attention_naive. The tables q R^T and q C^T are built here
-    (autograd carries their gradient to q, R and C). `block`: see `launch_configs`."""
+    """Same contract as upe.upe_attention_naive. `UPEFlash` builds q R^T; q C^T is built here
+    (autograd carries its gradient to q and C). `block`: see `launch_configs`."""
     B, H, T, D = q.shape
     if D not in (16, 32, 64, 128):
         raise ValueError(f"the UPE Triton kernel takes head dims 16, 32, 64 or 128, got {D}")
@@ -348,19 +419,18 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
                           torch.where(slot_ >= 0, pos + 1, 0).amax(1)), 1).to(torch.int32).contiguous()
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (q, k, v))
     # bf16 inputs get bf16 tables (their rounding is that of the bf16 q.k products; half the traffic),
-    # everything else float32. Zero rows pad the tables to a multiple of 8 columns: aligned rows let
-    # the matmuls use their fast kernels; the padding columns are never read.
+    # everything else float32. R, reversed, gets zero rows up to NG = NR - 1 (module docstring); QC
+    # is a matmul, its rows padded to a multiple of 8 columns so that the matmul uses its fast kernels
+    # (the padding columns are never read).
     tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-
-    def table(vecs):                                        # (H, N, D) -> (B, H, Tp, N + pad)
-        return qp.to(tdt) @ F.pad(vecs.to(tdt), (0, 0, 0, -vecs.shape[1] % 8)).transpose(-1, -2)[None]
-
-    tr = table(rel.flip(1)).reshape(B * H, Tp, -1)          # (B*H, Tp, 2K+1 + pad), R reversed
+    NG = (2 * K + 14) // 8 * 8                              # NR - 1: NR >= 2K + 8 and NR = 1 (mod 8)
+    rr = F.pad(rel.flip(1).to(tdt), (0, 0, 0, NG - 2 * K - 1))                # (H, NG, D)
     tc = None
     if uni is not None and slot is not None:
-        tc = table(uni).reshape(B * H, Tp, -1)              # (B*H, Tp, M + pad)
+        uni_ = F.pad(uni.to(tdt), (0, 0, 0, -uni.shape[1] % 8))
+        tc = (qp.to(tdt) @ uni_.transpose(-1, -2)[None]).reshape(B * H, Tp, -1)  # (B*H, Tp, M + pad)
     flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
     has_mask = key_mask is not None or pad > 0
-    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), tr, tc, slot_, srange, mask, has_mask, H, K, D ** -0.5,
+    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), rr, tc, slot_, srange, mask, has_mask, H, K, D ** -0.5,
                        causal, cfg)
     return o.view(B, H, Tp, D)[:, :, :T]

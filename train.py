@@ -286,6 +286,7 @@ def batch_context(task: Task, batch: Batch, device, s: float = 1.0) -> dict:
     ctx = {"s": s}
     if batch.slot is not None:
         ctx["slot"] = batch.slot.to(device)
+        ctx["slot_max"] = int(batch.slot.max())         # read before the copy: UPE checks it (upe.py)
     if not task.causal and (batch.x == task.pad_id).any():
         ctx["key_mask"] = (batch.x != task.pad_id).to(device)
     return ctx

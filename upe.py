@@ -101,8 +101,12 @@ def upe_attention_torch(q, k, v, rel, uni=None, slot=None, key_mask=None, causal
 
 def upe_attention(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
     """RPE / UPE attention, same contract as `upe_attention_naive`, never building the pairwise
-    vectors. Triton on CUDA (kernels/upe_attention.py: no (T, T) tensor either), PyTorch on CPU."""
-    if slot is not None and uni is not None and slot.max() >= uni.shape[1]:
+    vectors. Triton on CUDA (kernels/upe_attention.py: no (T, T) tensor either), PyTorch on CPU.
+    A slot >= M is an error, checked here when `slot` is on the CPU. On a GPU the check would make
+    the host wait for the device at every call (1.1 ms of 19 fwd+bwd at T = 4096 on an H100), so the
+    layers check the batch's largest slot, which `train.batch_context` reads on the CPU, and the
+    kernel clamps slots to the table's width so that it never reads outside it."""
+    if slot is not None and uni is not None and not slot.is_cuda and slot.max() >= uni.shape[1]:
         raise ValueError(f"slot {int(slot.max())} has no uniform vector (M = {uni.shape[1]})")
     backend = BACKEND
     if backend is None:
@@ -148,6 +152,8 @@ class RPEAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         slot = ctx.get("slot") if self.uni is not None else None
+        if slot is not None and ctx.get("slot_max", -1) >= self.uni.shape[1]:
+            raise ValueError(f"slot {ctx['slot_max']} has no uniform vector (upe_slots = {self.uni.shape[1]})")
         o = upe_attention(q, k, v, self.rel.to(q.dtype), None if self.uni is None else self.uni.to(q.dtype),
                           slot, ctx.get("key_mask"), self.causal)
         return self.out(o.transpose(1, 2).reshape(B, T, C))
@@ -155,7 +161,8 @@ class RPEAttention(nn.Module):
 
 class UPEAttention(RPEAttention):
     """RPE plus one uniform vector per slot: keys with ctx["slot"] >= 0 (e.g. the multiplier's
-    digits) use C[slot] for every query instead of their relative vector."""
+    digits) use C[slot] for every query instead of their relative vector. ctx["slot_max"], the
+    largest slot of the batch as an int, is checked against upe_slots (see `upe_attention`)."""
 
     def __init__(self, cfg):
         super().__init__(cfg, uniform=True)

@@ -106,7 +106,8 @@ def _logits(a, b, ii, jj, t_lo, t_hi, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_h
     if HAS_UNI:
         if (j0 < s_hi) & (j0 + KB > s_lo):                   # only tiles that may hold slot keys
             sl = tl.load(SLOTB + jj)
-            t = tl.where(sl >= 0, tl.load(TC + row * NC + tl.maximum(sl, 0)).to(tl.float32), t)
+            sl_in = tl.minimum(tl.maximum(sl, 0), NC - 1)       # a slot >= M (an error) stays in the table
+            t = tl.where(sl >= 0, tl.load(TC + row * NC + sl_in).to(tl.float32), t)
     s = (s + t) * qk_scale
     if HAS_MASK:                                             # a key padding mask or padded keys
         s = tl.where(tl.load(MASKB + jj) != 0, s, float("-inf"))

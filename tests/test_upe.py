@@ -257,6 +257,21 @@ def test_layers_use_slot_and_key_mask():
     assert RPEAttention(cfg(rpe_clip=4)).uni is None
 
 
+def test_layer_checks_the_batch_slots():
+    """A 3-digit multiplier has slots 0-2: a model with 2 uniform vectors must refuse it. The layer
+    reads the largest slot from ctx (taken on the CPU by batch_context, no device sync)."""
+    import numpy as np
+    from train import batch_context
+    task = TASKS["mul_padded"]
+    batch = task.sample(4, 5, np.random.default_rng(0), multiplier_digits=3)
+    ctx = batch_context(task, batch, "cpu")
+    assert ctx["slot_max"] == int(batch.slot.max()) == 2
+    x = torch.randn(4, batch.x.shape[1], 32)
+    UPEAttention(cfg(rpe_clip=4, upe_slots=3))(x, ctx)                    # fits
+    with pytest.raises(ValueError, match=r"slot 2 has no uniform vector \(upe_slots = 2\)"):
+        UPEAttention(cfg(rpe_clip=4, upe_slots=2))(x, ctx)
+
+
 def test_cli_rejects_a_bad_clip(capsys, tmp_path):
     code = main(["--task", "add_padded", "--method", "rpe", "--method-opt", "rpe_clip=0",
                  "--out", str(tmp_path / "runs"), "--device", "cpu"])

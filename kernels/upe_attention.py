@@ -11,8 +11,8 @@ so no (T, T, D) or (T, T) tensor exists. Forward: `_table`, then one program per
 batch*head), online softmax over the key blocks. Backward: `_bwd_dq` (per query block: dQ and the
 table gradients dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or
 slots share are summed in registers), then `_bwd_dkv` (per key block: dK, dV in registers), then
-dQ += dQR R and dR = dQR^T Q (PyTorch matmuls). The caller pads T to the largest tile with masked
-keys.
+dQ += dQR R + dQC C, dR = dQR^T Q and dC = dQC^T Q (PyTorch matmuls, `_table_grads`). The caller
+pads T to the largest tile with masked keys.
 
 QR has NR columns, NR = 1 (mod 8) and NR >= 2K + 8 (521 for K = 256; the columns after 2K are
 padding). Row i then starts at i (mod 8), the cell of key j lies at i (NR - 1) + K + j, and for K
@@ -349,16 +349,32 @@ def build_table(q, rr, H: int, K: int):
     return tr, te
 
 
+def _table_grads(dq, q, vecs, dtab, H: int):
+    """The matmuls behind a table T = q V^T (V: (H, N, D); T, dT: (B*H, T, N)): dq += dT V in place,
+    one matmul with the add fused, and the return value dV = dT^T q summed over the batch."""
+    BH, T, D = q.shape
+    B, N = BH // H, vecs.shape[1]
+    per_bh = vecs.expand(B, H, N, D).reshape(BH, N, D)
+    if dq.dtype == dtab.dtype:
+        dq.baddbmm_(dtab, per_bh)
+    else:                                                   # float16 inputs have float32 tables
+        dq.copy_(dq.to(dtab.dtype).baddbmm_(dtab, per_bh))
+    return (dtab.view(B, H, T, N).transpose(-1, -2) @ q.view(B, H, T, D).to(dtab.dtype)).sum(0)
+
+
 class UPEFlash(torch.autograd.Function):
-    """(q, k, v, R reversed, QC, ...) -> o; builds QR itself (`_table`) and returns the gradient of R."""
+    """(q, k, v, R reversed and padded, C padded or None, ...) -> o. Builds both tables (QR with
+    `_table`, QC with a matmul) and returns the gradients of R and C."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rr, tc, slot, srange, mask, has_mask, H, K, scale, causal, cfg):
+    def forward(ctx, q, k, v, rr, uc, slot, srange, mask, has_mask, H, K, scale, causal, cfg):
         BH, T, D = q.shape
-        NG = rr.shape[1]
-        has_uni = tc is not None
+        has_uni = uc is not None
         prec = "ieee" if q.dtype == torch.float32 else None
         tr, te = build_table(q, rr, H, K)
+        tc = None
+        if has_uni:                                         # (B*H, T, M + pad)
+            tc = (q.view(BH // H, H, T, D).to(uc.dtype) @ uc.transpose(-1, -2)[None]).view(BH, T, -1)
         o = torch.empty_like(q)
         lse = torch.empty(BH, T, device=q.device, dtype=torch.float32)
         tc_ = tc if has_uni else tr
@@ -367,13 +383,13 @@ class UPEFlash(torch.autograd.Function):
         own, step, warps, stages = cfg["fwd"]
         _fwd[(T // own, BH)](q, k, v, tr, te, tc_, slot, srange, mask, o, lse, T, H, scale * 1.4426950408889634,
                              **meta, BM=own, BN=step, num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, rr, tr, te, tc_, slot, srange, mask, o, lse)
+        ctx.save_for_backward(q, k, v, rr, uc, tr, te, tc_, slot, srange, mask, o, lse)
         ctx.meta, ctx.H, ctx.scale, ctx.has_uni, ctx.cfg = meta, H, scale, has_uni, cfg
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, rr, tr, te, tc, slot, srange, mask, o, lse = ctx.saved_tensors
+        q, k, v, rr, uc, tr, te, tc, slot, srange, mask, o, lse = ctx.saved_tensors
         meta, H, scale, cfg = ctx.meta, ctx.H, ctx.scale, ctx.cfg
         BH, T, D = q.shape
         do = do.contiguous()
@@ -391,16 +407,15 @@ class UPEFlash(torch.autograd.Function):
         own, step, warps, stages = cfg["dkv"]
         _bwd_dkv[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, do, lse, delta, dk, dv, *args, **meta,
                                  BM=own, BN=step, num_warps=warps, num_stages=stages)
-        B = BH // H
-        dq = dq + (dtr.view(B, H, T, NG) @ rr[None]).view(BH, T, D)
-        drr = (dtr.view(B, H, T, NG).transpose(-1, -2) @ q.view(B, H, T, D).to(rr.dtype)).sum(0)  # (H, NG, D)
-        return (dq, dk, dv, drr, dtc if ctx.has_uni else None,
+        drr = _table_grads(dq, q, rr, dtr, H)
+        duc = _table_grads(dq, q, uc, dtc, H) if ctx.has_uni else None
+        return (dq, dk, dv, drr, duc,
                 None, None, None, None, None, None, None, None, None)
 
 
 def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
-    """Same contract as upe.upe_attention_naive. `UPEFlash` builds q R^T; q C^T is built here
-    (autograd carries its gradient to q and C). `block`: see `launch_configs`."""
+    """Same contract as upe.upe_attention_naive; `UPEFlash` builds the tables q R^T and q C^T.
+    `block`: see `launch_configs`."""
     B, H, T, D = q.shape
     if D not in (16, 32, 64, 128):
         raise ValueError(f"the UPE Triton kernel takes head dims 16, 32, 64 or 128, got {D}")
@@ -426,12 +441,11 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     NG = (2 * K + 14) // 8 * 8                              # NR - 1: NR >= 2K + 8 and NR = 1 (mod 8)
     rr = F.pad(rel.flip(1).to(tdt), (0, 0, 0, NG - 2 * K - 1))                # (H, NG, D)
-    tc = None
+    uc = None
     if uni is not None and slot is not None:
-        uni_ = F.pad(uni.to(tdt), (0, 0, 0, -uni.shape[1] % 8))
-        tc = (qp.to(tdt) @ uni_.transpose(-1, -2)[None]).reshape(B * H, Tp, -1)  # (B*H, Tp, M + pad)
+        uc = F.pad(uni.to(tdt), (0, 0, 0, -uni.shape[1] % 8))                    # (H, M + pad, D)
     flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
     has_mask = key_mask is not None or pad > 0
-    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), rr, tc, slot_, srange, mask, has_mask, H, K, D ** -0.5,
+    o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), rr, uc, slot_, srange, mask, has_mask, H, K, D ** -0.5,
                        causal, cfg)
     return o.view(B, H, Tp, D)[:, :, :T]

@@ -349,6 +349,19 @@ def build_table(q, rr, H: int, K: int):
     return tr, te
 
 
+def _table_grad_buffer(BH: int, T: int, rr, K: int, causal: bool):
+    """dQR (B*H, T, NG), uninitialised except the cells `_bwd_dq` does not write, which are zeroed:
+    the padding columns, and the offsets whose key lies before 0 (rows i < K, columns < K - i),
+    beyond T (rows i > T - K, columns > K + T - i) or, causal, beyond the query's own block
+    (columns > K). Zeroing a superset is fine, as the kernel runs after and overwrites what it writes.
+    Zeroing all of it would be a 1 GB fill at T = 4096, B = 8, H = 32."""
+    dtr = torch.empty(BH, T, rr.shape[1], device=rr.device, dtype=rr.dtype)
+    dtr[..., 2 * K + 1:] = 0
+    dtr[:, :K, :K] = 0
+    dtr[:, 0 if causal else max(T - K, 0):, K + 1:2 * K + 1] = 0
+    return dtr
+
+
 def _table_grads(dq, q, vecs, dtab, H: int):
     """The matmuls behind a table T = q V^T (V: (H, N, D); T, dT: (B*H, T, N)): dq += dT V in place,
     one matmul with the add fused, and the return value dV = dT^T q summed over the batch."""
@@ -395,14 +408,13 @@ class UPEFlash(torch.autograd.Function):
         do = do.contiguous()
         delta = torch.empty(BH, T, device=q.device, dtype=torch.float32)   # written by _bwd_dq
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))   # the kernels accumulate in float32
-        NG = rr.shape[1]
-        dtr = torch.zeros(BH, T, NG, device=q.device, dtype=rr.dtype)      # dQR
-        dtc = torch.zeros_like(tc)
+        dtr = _table_grad_buffer(BH, T, rr, meta["K"], meta["CAUSAL"])      # dQR
+        dtc = torch.empty_like(tc) if ctx.has_uni else dtr      # dQC: `_bwd_dq` writes every cell
         args = (T, H, scale * 1.4426950408889634, scale)
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
         own, step, warps, stages = cfg["dq"]
         _bwd_dq[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, o, do, lse, delta, dq, dtr, dtc, *args,
-                                NG=NG, NCP=ncp, **meta, BM=own, BN=step, num_warps=warps,
+                                NG=rr.shape[1], NCP=ncp, **meta, BM=own, BN=step, num_warps=warps,
                                 num_stages=stages)
         own, step, warps, stages = cfg["dkv"]
         _bwd_dkv[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, do, lse, delta, dk, dv, *args, **meta,

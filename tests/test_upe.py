@@ -117,6 +117,23 @@ def test_triton_without_any_mask():
     check(got, run(lambda *a: upe_attention_naive(*a, sl), ref, (), do.double()), 1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_writes_every_uninitialised_cell(monkeypatch, causal):
+    """The Triton path leaves most of its buffers uninitialised (the dQR table gradient is 1 GB at
+    T = 4096) and zeroes only the cells its kernels do not write. With every torch.empty filled
+    with NaN instead, a missed cell would show up in the output or a gradient."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    q, k, v, rel, uni, slot, key_mask = make_inputs(2, 2, 45, 16, 8, 3, dtype=torch.float32, seed=5)
+    key_mask = None if causal else key_mask.to(DEV)
+    tensors = [x.detach().to(DEV).requires_grad_(True) for x in (q, k, v, rel, uni)]
+    sl = slot.to(DEV)
+    do = torch.randn(2, 2, 45, 16, device=DEV)
+    got = run(lambda *a: upe_attention_triton(*a, sl, key_mask, causal, 16), tensors, (), do)
+    ref = [x.detach().double().requires_grad_(True) for x in tensors]
+    check(got, run(lambda *a: upe_attention_naive(*a, sl, key_mask, causal), ref, (), do.double()), 1e-4)
+
+
 def test_triton_matches_naive_fp16():
     q, k, v, rel, uni, slot, key_mask = make_inputs(1, 2, 45, 32, 6, 3, dtype=torch.float16, seed=3)
     tensors = [x.detach().to(DEV).requires_grad_(True) for x in (q, k, v, rel, uni)]

@@ -475,8 +475,14 @@ def validate(cfg: TrainConfig) -> Task:
         raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
         raise UsageError(f"d_model {cfg.model.d_model} is not a multiple of n_heads {cfg.model.n_heads}")
-    try:  # a layer checks its own options (e.g. --method-opt values)
-        METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
+    try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
+        layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
+        if hasattr(layer, "check_context"):                # e.g. UPE: the task's slots against upe_slots
+            rng = np.random.default_rng(0)
+            for L in (max(cfg.train_lengths or task.train_lengths), max(cfg.test_lengths or task.test_lengths)):
+                for vopts in (task.variants or {None: {}}).values():
+                    batch = task.sample(16, L, rng, **{**cfg.task_opts, **vopts})
+                    layer.check_context(batch_context(task, batch, "cpu"))
     except ValueError as e:
         raise UsageError(f"method {cfg.method!r}: {e}") from None
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.n_eval < 1:

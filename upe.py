@@ -147,13 +147,18 @@ class RPEAttention(nn.Module):
         self.rel = nn.Parameter(0.02 * torch.randn(H, 2 * self.K + 1, self.D))
         self.uni = nn.Parameter(0.02 * torch.randn(H, int(cfg.opts.get("upe_slots", 3)), self.D)) if uniform else None
 
+    def check_context(self, ctx):
+        """A batch whose largest slot (ctx["slot_max"], an int read on the CPU) has no uniform vector
+        is an error (see `upe_attention`); train.py also calls this on sample batches before a run."""
+        if self.uni is not None and ctx.get("slot") is not None and ctx.get("slot_max", -1) >= self.uni.shape[1]:
+            raise ValueError(f"slot {ctx['slot_max']} has no uniform vector (upe_slots = {self.uni.shape[1]})")
+
     def forward(self, x, ctx=None):
         ctx = ctx or {}
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        self.check_context(ctx)
         slot = ctx.get("slot") if self.uni is not None else None
-        if slot is not None and ctx.get("slot_max", -1) >= self.uni.shape[1]:
-            raise ValueError(f"slot {ctx['slot_max']} has no uniform vector (upe_slots = {self.uni.shape[1]})")
         o = upe_attention(q, k, v, self.rel.to(q.dtype), None if self.uni is None else self.uni.to(q.dtype),
                           slot, ctx.get("key_mask"), self.causal)
         return self.out(o.transpose(1, 2).reshape(B, T, C))

@@ -289,6 +289,14 @@ def test_layer_checks_the_batch_slots():
         UPEAttention(cfg(rpe_clip=4, upe_slots=2))(x, ctx)
 
 
+def test_cli_rejects_too_few_slots(capsys, tmp_path):
+    code = main(["--task", "mul_padded", "--method", "upe", "--task-opt", "multiplier_digits=3",
+                 "--method-opt", "upe_slots=2", "--out", str(tmp_path / "runs"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "slot 2 has no uniform vector (upe_slots = 2)" in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_cli_rejects_a_bad_clip(capsys, tmp_path):
     code = main(["--task", "add_padded", "--method", "rpe", "--method-opt", "rpe_clip=0",
                  "--out", str(tmp_path / "runs"), "--device", "cpu"])

@@ -175,7 +175,7 @@ def _fwd(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, LSE, T, H, qk_scale,
 
 @triton.jit
 def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR, TC, SLOTB, MASKB, bh, T,
-             row, i_pos, j0, s_lo, s_hi, qk_scale, scale, NR: tl.constexpr, NG: tl.constexpr, NC: tl.constexpr,
+             row, i_pos, j0, s_lo, s_hi, qk_scale, scale, NR: tl.constexpr, NC: tl.constexpr,
              NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
              HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """The keys j0 ... j0 + BN - 1 of `_bwd_dq`: their share of dQ and of the table gradients."""
@@ -205,13 +205,13 @@ def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DT
         dif = j_pos[None, :] - i_pos[:, None]            # (BM, BN): j - i
         d_lo += tl.sum(tl.where(dif <= -K, ds, 0.0), 1)
         d_hi += tl.sum(tl.where(dif >= K, ds, 0.0), 1)
-        tl.store(DTR + row[:, None] * NG + K + dif, ds, mask=(dif > -K) & (dif < K))
+        tl.store(DTR + row[:, None] * (NR - 1) + K + dif, ds, mask=(dif > -K) & (dif < K))   # dQR: NR - 1 wide
     return dq, d_lo, d_hi, d_uni
 
 
 @triton.jit
 def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR, DTC, T, H, qk_scale,
-            scale, NR: tl.constexpr, NG: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr,
+            scale, NR: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr, K: tl.constexpr,
             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_UNI: tl.constexpr,
             HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """dQ and the table gradients of BM queries, without atomics: inside the clip band each
@@ -240,17 +240,17 @@ def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR
     for j0 in range(0, a, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NG, NC, NCP, K, D, BN, 0, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+                                         NR, NC, NCP, K, D, BN, 0, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(a, c, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NG, NC, NCP, K, D, BN, 1, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+                                         NR, NC, NCP, K, D, BN, 1, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(c, n_keys, BN):
         dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
                                          TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
-                                         NR, NG, NC, NCP, K, D, BN, 2, HAS_UNI, HAS_MASK, CAUSAL, PREC)
-    tl.store(DTR + row * NG, d_lo)
-    tl.store(DTR + row * NG + 2 * K, d_hi)
+                                         NR, NC, NCP, K, D, BN, 2, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    tl.store(DTR + row * (NR - 1), d_lo)
+    tl.store(DTR + row * (NR - 1) + 2 * K, d_hi)
     tl.store(DQ + row[:, None] * D + rd[None, :], dq)
     if HAS_UNI:
         ru = tl.arange(0, NCP)
@@ -331,6 +331,11 @@ def launch_configs(D: int, T: int, block=None) -> dict:
     fit = max(16, triton.next_power_of_2(T))
     return {name: (min(own, fit), min(step, fit), warps, stages)
             for name, (own, step, warps, stages) in CONFIGS[64 if D <= 64 else 128].items()}
+
+
+def table_width(K: int) -> int:
+    """NR, the row width of QR: 1 (mod 8) and at least 2K + 8 (module docstring)."""
+    return (2 * K + 14) // 8 * 8 + 1
 
 
 def build_table(q, rr, H: int, K: int):
@@ -415,8 +420,7 @@ class UPEFlash(torch.autograd.Function):
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
         own, step, warps, stages = cfg["dq"]
         _bwd_dq[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, o, do, lse, delta, dq, dtr, dtc, *args,
-                                NG=rr.shape[1], NCP=ncp, **meta, BM=own, BN=step, num_warps=warps,
-                                num_stages=stages)
+                                NCP=ncp, **meta, BM=own, BN=step, num_warps=warps, num_stages=stages)
         own, step, warps, stages = cfg["dkv"]
         _bwd_dkv[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, do, lse, delta, dk, dv, *args, **meta,
                                  BM=own, BN=step, num_warps=warps, num_stages=stages)
@@ -452,7 +456,7 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     # is a matmul, its rows padded to a multiple of 8 columns so that the matmul uses its fast kernels
     # (the padding columns are never read).
     tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    NG = (2 * K + 14) // 8 * 8                              # NR - 1: NR >= 2K + 8 and NR = 1 (mod 8)
+    NG = table_width(K) - 1
     rr = F.pad(rel.flip(1).to(tdt), (0, 0, 0, NG - 2 * K - 1))                # (H, NG, D)
     uc = None
     if uni is not None and slot is not None:

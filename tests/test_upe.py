@@ -150,12 +150,12 @@ def test_table_kernel_writes_q_times_r(K):
     """The position table of the Triton path: every column 0 ... 2K of every row is q . R[2K - c],
     and the clipped copy holds columns 0 and 2K. K = 30 puts column 2K in the first or the second
     64-column step of the kernel depending on the row (it writes rows from column -(i mod 8))."""
-    from kernels.upe_attention import build_table
+    from kernels.upe_attention import build_table, table_width
     B, H, T, D = 2, 3, 40, 16                        # T: a multiple of 8, as the caller pads it
     gen = torch.Generator().manual_seed(K)
     q = torch.randn(B * H, T, D, generator=gen).to(DEV)
     rel = torch.randn(H, 2 * K + 1, D, generator=gen).to(DEV)
-    NG = (2 * K + 14) // 8 * 8
+    NG = table_width(K) - 1
     tr, te = build_table(q, F.pad(rel.flip(1), (0, 0, 0, NG - 2 * K - 1)), H, K)
     want = (q.double().view(B, H, T, D) @ rel.double().flip(1).transpose(-1, -2)).view(B * H, T, 2 * K + 1)
     assert tr.shape == (B * H, T, NG + 1) and (NG + 1) % 8 == 1 and NG + 1 >= 2 * K + 8

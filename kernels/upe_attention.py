@@ -10,8 +10,9 @@ tables:
 so no (T, T, D) or (T, T) tensor exists. Forward: `_table`, then one program per (query block,
 batch*head), online softmax over the key blocks. Backward: `_bwd_dq` (per query block: dQ and the
 table gradients dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or
-slots share are summed in registers), then `_bwd_dkv` (per key block: dK, dV in registers), then
-dQ += dQR R + dQC C, dR = dQR^T Q and dC = dQC^T Q (PyTorch matmuls, `_table_grads`). The caller
+slots share are summed in registers; it writes them divided by the softmax scale), then `_bwd_dkv`
+(per key block: dK, dV in registers), then dQ += dQR R + dQC C, dR = dQR^T Q and dC = dQC^T Q
+(PyTorch matmuls that apply the scale, `_table_grads`). The caller
 pads T to the largest tile with masked keys.
 
 QR has NR columns, NR = 1 (mod 8) and NR >= 2K + 8 (521 for K = 256; the columns after 2K are
@@ -59,7 +60,10 @@ def _table(Q, RR, TR, TE, T, H, NR: tl.constexpr, K: tl.constexpr, D: tl.constex
     residue r = i mod 8, i = 8 (m BM + 0 ... BM - 1) + r. Row i starts at cell i NR = i (mod 8), so
     the program writes the NR - 1 cells from column -r: they start at i NR - r, a multiple of 8, and
     every store is 16 aligned bytes (bf16). Columns -r ... -1 are the padding columns NR - r ... NR - 1
-    of row i - 1 (NR >= 2K + 8), which no program writes; the ranges of all rows are disjoint."""
+    of row i - 1 (NR >= 2K + 8), so the ranges of consecutive rows join; rows of residue 7 write 8
+    cells more, their own columns NR - 8 ... NR - 1, which the next row does not reach. So every cell
+    is written once, the padding with zeros (R's zero rows, or masked loads), and the unclipped band
+    loads of `_logits` read only written cells."""
     m, r, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rd, x = tl.arange(0, D), tl.arange(0, BC)
     i = 8 * (m * BM + tl.arange(0, BM)) + r                                   # (BM,) rows
@@ -69,11 +73,12 @@ def _table(Q, RR, TR, TE, T, H, NR: tl.constexpr, K: tl.constexpr, D: tl.constex
     RRH = RR + (bh % H) * (NR - 1) * D
     # where row i's range starts, i NR - r: a multiple of 8 (T is one), which the compiler cannot see
     start = tl.multiple_of(bh * T * NR + 8 * (m * BM + tl.arange(0, BM)) * NR + r * (NR - 1), 8)
-    for c0 in tl.static_range(0, NR - 1, BC):
+    n_cells = tl.where(r == 7, NR + 7, NR - 1)
+    for c0 in tl.static_range(0, NR + 7, BC):
         c = c0 - r + x                                                        # (BC,) columns
         rv = tl.load(RRH + c[:, None] * D + rd[None, :], mask=((c >= 0) & (c < NR - 1))[:, None], other=0.0)
         t = tl.dot(q, tl.trans(rv), input_precision=PREC).to(TR.dtype.element_ty)      # (BM, BC)
-        tl.store(TR + start[:, None] + c0 + x[None, :], t, mask=ok[:, None] & (x < NR - 1 - c0)[None, :])
+        tl.store(TR + start[:, None] + c0 + x[None, :], t, mask=ok[:, None] & (x < n_cells - c0)[None, :])
         if c0 == 0:
             tl.store(TE + (bh * T + i) * 2, tl.sum(tl.where(c[None, :] == 0, t, 0.0), 1).to(TE.dtype.element_ty),
                      mask=ok)
@@ -85,30 +90,41 @@ def _table(Q, RR, TR, TE, T, H, NR: tl.constexpr, K: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _logits(a, b, ii, jj, t_lo, t_hi, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_hi, qk_scale,
+def _logits(a, b, ii, jj, lo, hi, shift, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_hi, qk_scale,
             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, MODE: tl.constexpr,
-            HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 logits a b^T of one tile of KB keys from j0, masked, in either orientation: (a, b) =
-    (q, k) with query positions ii = i[:, None] and key positions jj = j[None, :], or (k, q) with
-    ii = i[None, :] and jj = j[:, None]. t_lo, t_hi (shaped like ii): the table entries of columns 0
-    and 2K of each query, used in the clipped runs; the band gathers. Keys with a slot (those in
-    [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead."""
+            FOLD: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            PREC: tl.constexpr):
+    """Base-2 logits (a b^T + t) qk_scale of one tile of KB keys from j0, masked, in either
+    orientation: (a, b) = (q, k) with query positions ii = i[:, None] and key positions
+    jj = j[None, :], or (k, q) with ii = i[None, :] and jj = j[:, None]. lo, hi (shaped like ii): the
+    table entries t of columns 0 and 2K of each query, used in the clipped runs; the band gathers.
+    Keys with a slot (those in [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead.
+    FOLD (`_bwd_dq`): the logits less shift (shaped like ii), with lo and hi passed as t qk_scale -
+    shift, so that a clipped logit costs one fma (`_bwd_dq` 5.9 -> 5.3 ms at T = 4096 on an H100).
+    `_fwd` and `_bwd_dkv` measured slower that way (6.0 and 7.3 ms against 3.3 and 6.1): in `_fwd`
+    the compiler moved every clipped tile of logits to another register layout, `_bwd_dkv` spilled."""
     s = tl.dot(a, tl.trans(b), input_precision=PREC)
     row = bh * T + ii                                        # the queries' table rows
     if MODE == 1:   # the cell of (i, j) is row(i) NR + K + j - i = bh T NR + i (NR - 1) + K + j
         dif = jj - ii
         t = tl.load(TR + bh * T * NR + ii * (NR - 1) + K + jj).to(tl.float32)
-        t = tl.where(dif <= -K, t_lo, tl.where(dif >= K, t_hi, t))
+        if FOLD:
+            t = t * qk_scale - shift
+        t = tl.where(dif <= -K, lo, tl.where(dif >= K, hi, t))
     elif MODE == 0:
-        t = t_lo + tl.zeros_like(s)                          # (the compiler wants one shape in all three)
+        t = lo if FOLD else lo + tl.zeros_like(s)
     else:
-        t = t_hi + tl.zeros_like(s)
+        t = hi if FOLD else hi + tl.zeros_like(s)
     if HAS_UNI:
         if (j0 < s_hi) & (j0 + KB > s_lo):                   # only tiles that may hold slot keys
             sl = tl.load(SLOTB + jj)
             sl_in = tl.minimum(tl.maximum(sl, 0), NC - 1)       # a slot >= M (an error) stays in the table
-            t = tl.where(sl >= 0, tl.load(TC + row * NC + sl_in).to(tl.float32), t)
-    s = (s + t) * qk_scale
+            tc = tl.load(TC + row * NC + sl_in).to(tl.float32)
+            if FOLD:    # s + (tc qk_scale - shift - t) / qk_scale, so that the line below adds tc
+                s = tl.where(sl >= 0, s + tc - (t + shift) / qk_scale, s)
+            else:
+                t = tl.where(sl >= 0, tc, t)
+    s = s * qk_scale + t if FOLD else (s + t) * qk_scale
     if HAS_MASK:                                             # a key padding mask or padded keys
         s = tl.where(tl.load(MASKB + jj) != 0, s, float("-inf"))
     if CAUSAL:
@@ -125,8 +141,8 @@ def _fwd_tile(q, acc, mx, lsum, t_lo, t_hi, KP, V, TR, TC, SLOTB, MASKB, bh, T, 
     rd = tl.arange(0, D)
     j_pos = j0 + tl.arange(0, BN)
     k = tl.load(KP + (bh * T + j_pos)[:, None] * D + rd[None, :])
-    s = _logits(q, k, i_pos[:, None], j_pos[None, :], t_lo[:, None], t_hi[:, None], TR, TC, SLOTB, MASKB, bh,
-                T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    s = _logits(q, k, i_pos[:, None], j_pos[None, :], t_lo[:, None], t_hi[:, None], 0.0, TR, TC, SLOTB, MASKB,
+                bh, T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, False, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     mnew = tl.maximum(mx, tl.max(s, 1))
     m_safe = tl.where(mnew == float("-inf"), 0.0, mnew)          # no key seen yet in this row
     alpha = tl.exp2(mx - m_safe)
@@ -174,20 +190,22 @@ def _fwd(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, LSE, T, H, qk_scale,
 
 
 @triton.jit
-def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR, TC, SLOTB, MASKB, bh, T,
-             row, i_pos, j0, s_lo, s_hi, qk_scale, scale, NR: tl.constexpr, NC: tl.constexpr,
+def _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, c_lo, c_hi, KP, V, TR, DTR, TC, SLOTB, MASKB, bh, T,
+             row, i_pos, j0, s_lo, s_hi, qk_scale, NR: tl.constexpr, NC: tl.constexpr,
              NCP: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
              HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """The keys j0 ... j0 + BN - 1 of `_bwd_dq`: their share of dQ and of the table gradients."""
+    """The keys j0 ... j0 + BN - 1 of `_bwd_dq`: their share of dQ and of the table gradients, both
+    divided by the softmax scale (one multiply per logit fewer; `_bwd_dq` scales dQ at its end,
+    `_table_grads` the tables)."""
     rd = tl.arange(0, D)
     j_pos = j0 + tl.arange(0, BN)
     col = bh * T + j_pos
     k = tl.load(KP + col[:, None] * D + rd[None, :])
-    s = _logits(q, k, i_pos[:, None], j_pos[None, :], t_lo[:, None], t_hi[:, None], TR, TC, SLOTB, MASKB, bh,
-                T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
-    p = tl.exp2(s - lse[:, None])
+    s = _logits(q, k, i_pos[:, None], j_pos[None, :], c_lo[:, None], c_hi[:, None], lse[:, None], TR, TC, SLOTB,
+                MASKB, bh, T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BN, MODE, True, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    p = tl.exp2(s)
     v = tl.load(V + col[:, None] * D + rd[None, :])
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * scale  # d(raw logit)
+    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])  # d(raw logit) / scale
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     if HAS_UNI:
         if (j0 < s_hi) & (j0 + BN > s_lo):               # this tile may hold slot keys
@@ -228,7 +246,8 @@ def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR
     lse = tl.load(LSE + row)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * D + rd[None, :]).to(tl.float32), 1)
     tl.store(DELTA + row, delta)
-    t_lo, t_hi = tl.load(TE + row * 2).to(tl.float32), tl.load(TE + row * 2 + 1).to(tl.float32)
+    c_lo = tl.load(TE + row * 2).to(tl.float32) * qk_scale - lse      # folded clipped logits (`_logits`)
+    c_hi = tl.load(TE + row * 2 + 1).to(tl.float32) * qk_scale - lse
     s_lo, s_hi = tl.load(SRANGE + 2 * b), tl.load(SRANGE + 2 * b + 1)
     SLOTB, MASKB = SLOT + b * T, MASK + b * T
     dq = tl.zeros([BM, D], tl.float32)
@@ -238,20 +257,20 @@ def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR
     n_keys = (i + 1) * BM if CAUSAL else T
     a, c = _runs(i * BM, 0, n_keys, K, BM, BN)
     for j0 in range(0, a, BN):
-        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
-                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
+        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, c_lo, c_hi, KP, V, TR, DTR,
+                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale,
                                          NR, NC, NCP, K, D, BN, 0, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(a, c, BN):
-        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
-                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
+        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, c_lo, c_hi, KP, V, TR, DTR,
+                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale,
                                          NR, NC, NCP, K, D, BN, 1, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     for j0 in range(c, n_keys, BN):
-        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, t_lo, t_hi, KP, V, TR, DTR,
-                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale, scale,
+        dq, d_lo, d_hi, d_uni = _dq_tile(q, do, lse, delta, dq, d_lo, d_hi, d_uni, c_lo, c_hi, KP, V, TR, DTR,
+                                         TC, SLOTB, MASKB, bh, T, row, i_pos, j0, s_lo, s_hi, qk_scale,
                                          NR, NC, NCP, K, D, BN, 2, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     tl.store(DTR + row * (NR - 1), d_lo)
     tl.store(DTR + row * (NR - 1) + 2 * K, d_hi)
-    tl.store(DQ + row[:, None] * D + rd[None, :], dq)
+    tl.store(DQ + row[:, None] * D + rd[None, :], dq * scale)
     if HAS_UNI:
         ru = tl.arange(0, NCP)
         tl.store(DTC + row[:, None] * NC + ru[None, :], d_uni, mask=ru[None, :] < NC)
@@ -269,8 +288,8 @@ def _dkv_tile(k, v, dk, dv, Q, DO, LSE, DELTA, TR, TE, TC, SLOTB, MASKB, bh, T, 
     row = bh * T + i_pos
     q = tl.load(Q + row[:, None] * D + rd[None, :])
     t_lo, t_hi = tl.load(TE + row * 2).to(tl.float32), tl.load(TE + row * 2 + 1).to(tl.float32)
-    st = _logits(k, q, i_pos[None, :], j_pos[:, None], t_lo[None, :], t_hi[None, :], TR, TC, SLOTB, MASKB, bh,
-                 T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BM, MODE, HAS_UNI, HAS_MASK, CAUSAL, PREC)
+    st = _logits(k, q, i_pos[None, :], j_pos[:, None], t_lo[None, :], t_hi[None, :], 0.0, TR, TC, SLOTB, MASKB,
+                 bh, T, j0, s_lo, s_hi, qk_scale, NR, NC, K, BM, MODE, False, HAS_UNI, HAS_MASK, CAUSAL, PREC)
     pt = tl.exp2(st - tl.load(LSE + row)[None, :])
     do = tl.load(DO + row[:, None] * D + rd[None, :])
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
@@ -340,7 +359,7 @@ def table_width(K: int) -> int:
 
 def build_table(q, rr, H: int, K: int):
     """QR (B*H, T, NR) and its columns 0 and 2K (B*H, T, 2) from q (B*H, T, D) and the reversed,
-    zero-padded R (H, NR - 1, D), in R's dtype; the padding columns of QR are left unwritten.
+    zero-padded R (H, NR - 1, D), in R's dtype; the padding columns of QR hold zeros.
     T must be a multiple of 8 (the caller pads it to the tile), so that every (batch, head) starts
     aligned."""
     BH, T, D = q.shape
@@ -368,17 +387,17 @@ def _table_grad_buffer(BH: int, T: int, rr, K: int, causal: bool):
     return dtr
 
 
-def _table_grads(dq, q, vecs, dtab, H: int):
+def _table_grads(dq, q, vecs, dtab, H: int, scale: float):
     """The matmuls behind a table T = q V^T (V: (H, N, D); T, dT: (B*H, T, N)): dq += dT V in place,
     one matmul with the add fused, and the return value dV = dT^T q summed over the batch."""
     BH, T, D = q.shape
     B, N = BH // H, vecs.shape[1]
     per_bh = vecs.expand(B, H, N, D).reshape(BH, N, D)
     if dq.dtype == dtab.dtype:
-        dq.baddbmm_(dtab, per_bh)
+        dq.baddbmm_(dtab, per_bh, alpha=scale)
     else:                                                   # float16 inputs have float32 tables
-        dq.copy_(dq.to(dtab.dtype).baddbmm_(dtab, per_bh))
-    return (dtab.view(B, H, T, N).transpose(-1, -2) @ q.view(B, H, T, D).to(dtab.dtype)).sum(0)
+        dq.copy_(dq.to(dtab.dtype).baddbmm_(dtab, per_bh, alpha=scale))
+    return (dtab.view(B, H, T, N).transpose(-1, -2) @ q.view(B, H, T, D).to(dtab.dtype)).sum(0) * scale
 
 
 class UPEFlash(torch.autograd.Function):
@@ -424,8 +443,8 @@ class UPEFlash(torch.autograd.Function):
         own, step, warps, stages = cfg["dkv"]
         _bwd_dkv[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, do, lse, delta, dk, dv, *args, **meta,
                                  BM=own, BN=step, num_warps=warps, num_stages=stages)
-        drr = _table_grads(dq, q, rr, dtr, H)
-        duc = _table_grads(dq, q, uc, dtc, H) if ctx.has_uni else None
+        drr = _table_grads(dq, q, rr, dtr, H, scale)
+        duc = _table_grads(dq, q, uc, dtc, H, scale) if ctx.has_uni else None
         return (dq, dk, dv, drr, duc,
                 None, None, None, None, None, None, None, None, None)
 

@@ -146,11 +146,15 @@ def test_triton_matches_naive_fp16():
 
 
 @pytest.mark.parametrize("K", [2, 30, 64])
-def test_table_kernel_writes_q_times_r(K):
+def test_table_kernel_writes_q_times_r(K, monkeypatch):
     """The position table of the Triton path: every column 0 ... 2K of every row is q . R[2K - c],
-    and the clipped copy holds columns 0 and 2K. K = 30 puts column 2K in the first or the second
-    64-column step of the kernel depending on the row (it writes rows from column -(i mod 8))."""
+    the padding columns are zeros (the band loads read them unclipped), and the clipped copy holds
+    columns 0 and 2K. K = 30 puts column 2K in the first or the second 64-column step of the kernel
+    depending on the row (it writes rows from column -(i mod 8)). torch.empty gives NaN here, so a
+    cell the kernel leaves unwritten fails."""
     from kernels.upe_attention import build_table, table_width
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
     B, H, T, D = 2, 3, 40, 16                        # T: a multiple of 8, as the caller pads it
     gen = torch.Generator().manual_seed(K)
     q = torch.randn(B * H, T, D, generator=gen).to(DEV)
@@ -160,6 +164,7 @@ def test_table_kernel_writes_q_times_r(K):
     want = (q.double().view(B, H, T, D) @ rel.double().flip(1).transpose(-1, -2)).view(B * H, T, 2 * K + 1)
     assert tr.shape == (B * H, T, NG + 1) and (NG + 1) % 8 == 1 and NG + 1 >= 2 * K + 8
     torch.testing.assert_close(tr[..., :2 * K + 1].double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tr[..., 2 * K + 1:], torch.zeros_like(tr[..., 2 * K + 1:]))
     torch.testing.assert_close(te.double(), want[..., [0, 2 * K]], atol=1e-5, rtol=1e-5)
 
 

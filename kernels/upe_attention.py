@@ -388,8 +388,9 @@ def _table_grad_buffer(BH: int, T: int, rr, K: int, causal: bool):
 
 
 def _table_grads(dq, q, vecs, dtab, H: int, scale: float):
-    """The matmuls behind a table T = q V^T (V: (H, N, D); T, dT: (B*H, T, N)): dq += dT V in place,
-    one matmul with the add fused, and the return value dV = dT^T q summed over the batch."""
+    """The matmuls behind a table T = q V^T (V: (H, N, D); T: (B*H, T, N)), given dtab = dT / scale
+    as `_bwd_dq` writes it: dq += dT V in place, one matmul with the add fused, and the return value
+    dV = dT^T q summed over the batch."""
     BH, T, D = q.shape
     B, N = BH // H, vecs.shape[1]
     per_bh = vecs.expand(B, H, N, D).reshape(BH, N, D)

@@ -51,7 +51,10 @@ LOG2E = 1.4426950408889634
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels: 4 measured faster than 8 on an H100 (7.8 vs 11.3 ms)
 # Warps and pipeline stages of the attention kernels at D = 64: one stage measured fastest for _fwd and
-# _bwd_dq (H100, T = 4096, fwd+bwd: 21.4 -> 20.5 -> 19.7 ms; 8 warps were slower or failed to launch).
+# _bwd_dq (H100, T = 4096, fwd+bwd: 21.4 -> 20.5 -> 19.7 ms; 8 warps were slower or failed to launch),
+# except for their loop over a chunk's key tiles (plain FlashAttention work), which is pipelined with
+# 3 stages (`tl.range`): _fwd 3.3 -> 3.0 ms, _bwd_dq 3.7 -> 3.2 ms (2 or 4 stages there, or pipelining
+# the loops over blocks too, measured slower).
 # At D = 32 one stage gave NaN outputs for fp16/bf16 inputs (Triton 3.6, not understood), so every
 # other head dim keeps Triton's default (4 warps, 3 stages).
 LAUNCH = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
@@ -147,7 +150,7 @@ def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n
         if SAVE:
             tl.store(QL + (first + b) * C * D + tile, q.to(QL.dtype.element_ty))
         qk = q.to(KL.dtype.element_ty)
-        for j in range(0, R * C, KB):                     # the chunk's keys, KB at a time
+        for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk                 # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
@@ -208,7 +211,7 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
         qs = tl.load(QL + at)
         pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])
         x = tl.dot(x, tl.trans(pl), input_precision=PREC)
-        for j in range(0, R * C, KB):                     # the chunk's keys, KB at a time
+        for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)

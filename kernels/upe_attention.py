@@ -12,8 +12,8 @@ batch*head), online softmax over the key blocks. Backward: `_bwd_dq` (per query 
 table gradients dQR / dQC, no atomics: the program owns its query rows; the entries that clipping or
 slots share are summed in registers; it writes them divided by the softmax scale), then `_bwd_dkv`
 (per key block: dK, dV in registers), then dQ += dQR R + dQC C, dR = dQR^T Q and dC = dQC^T Q
-(PyTorch matmuls that apply the scale, `_table_grads`). The caller
-pads T to the largest tile with masked keys.
+(PyTorch matmuls that apply the scale, `_table_grads`). The caller pads T to the largest tile with
+masked keys.
 
 QR has NR columns, NR = 1 (mod 8) and NR >= 2K + 8 (521 for K = 256; the columns after 2K are
 padding). Row i then starts at i (mod 8), the cell of key j lies at i (NR - 1) + K + j, and for K

@@ -231,7 +231,7 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
         u = tl.load(U + col[:, None] * D + rd[None, :])
         x = x - tl.dot(tl.dot(x, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
-    tl.store(DQH + row[:, None] * D + rd[None, :], x)
+    tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
     if HAS_G:
         tl.store(DGQ + row, dg)
 
@@ -379,8 +379,8 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
     u = _mm(a, w, LP, dt)
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0), LP, dt)
-    tl.store(QH + cd, q - _mm(qw, u, LP, dt))
-    tl.store(KH + cd, k - _mm(tl.trans(f), w, LP, dt))
+    tl.store(QH + cd, (q - _mm(qw, u, LP, dt)).to(QH.dtype.element_ty))
+    tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
     tl.store(U + cd, u)
     tl.store(SD + cc, scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt)))
 
@@ -403,7 +403,7 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
     mk = tl.where(lower, _mm(w, tl.trans(k), LP, dt), 0.0)       # M = strictLower(w k^T)
     f = _mm(a, mk, LP, dt)
-    dqh, dkh, dsd = tl.load(DQH + cd), tl.load(DKH + cd), tl.load(DSD + cc)
+    dqh, dkh, dsd = tl.load(DQH + cd).to(tl.float32), tl.load(DKH + cd).to(tl.float32), tl.load(DSD + cc)
     # qh = q - QW u,  kh = k - F^T w,  sd = scale (q k^T - QW F)
     dqw = -_mm(dqh, tl.trans(u), LP, dt) - scale * _mm(dsd, tl.trans(f), LP, dt)
     dqw = tl.where(rc[:, None] >= rc[None, :], dqw, 0.0)
@@ -433,13 +433,14 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
 
 class UTBlocks(torch.autograd.Function):
     """(qh, kh, u, sd) of `path_attention.ut_blocks` from q, k, w, beta of shapes (BH, T, D) and
-    (BH, T), T a multiple of C, all outputs float32; fused per block in Triton."""
+    (BH, T), T a multiple of C; fused per block in Triton. qh and kh come out in the input dtype
+    (they are rounded to it for the tensor cores later anyway), u and sd in float32."""
 
     @staticmethod
     def forward(ctx, q, k, w, beta, scale, C):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        qh, kh, u = (torch.empty(BH, T, D, **f32) for _ in range(3))
+        qh, kh, u = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         sd, ti = torch.empty(BH, T, C, **f32), torch.empty(BH, T, C, **f32)
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
         _ut_fwd[(T // C, BH)](q, k, w, beta, qh, kh, u, sd, ti, scale, D=D, C=C, LP=lp, num_warps=UT_WARPS)
@@ -452,7 +453,7 @@ class UTBlocks(torch.autograd.Function):
         q, k, w, beta, ti = ctx.saved_tensors
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        grads = [torch.zeros(BH, T, D, **f32) if g is None else g.float().contiguous() for g in (dqh, dkh, du)]
+        grads = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((dqh, q), (dkh, k), (du, w))]
         dsd = torch.zeros(BH, T, ctx.C, **f32) if dsd is None else dsd.float().contiguous()
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
@@ -495,29 +496,34 @@ def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.conste
         if m < n_blocks:                                                  # the last chunk may be short
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
-            tl.store(KL + cd, tl.dot(tl.load(KH + cd), tl.trans(s), input_precision=PREC))
+            kh = tl.load(KH + cd).to(tl.float32)
+            tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
             w, u = tl.load(W + cd), tl.load(U + cd)
             s = s - tl.dot(tl.dot(s, tl.trans(w), input_precision=PREC), u, input_precision=PREC)
     tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + dd, s)
 
 
 @triton.jit
-def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DW, DU, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
-               R: tl.constexpr, PREC: tl.constexpr):
+def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DKO, DW, DU, T, n_blocks, D: tl.constexpr,
+               C: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
-    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. The attention
-    kernels' own gradients are added on the way: their dP_r (DPN holds -dP_r) before dW and dU are
-    formed, their dkh (in DKH on entry) to dkh."""
+    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. dS starts as dPL,
+    the sum of the shares in DPL that the chunk's R blocks hold. The attention kernels' own gradients
+    are added on the way: their dP_r (DPN holds -dP_r) before dW and dU are formed, their dkh (DKH)
+    to dkh, written to DKO."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
-    ds = tl.load(DPL + (bh * tl.num_programs(0) + b) * D * D + dd)          # (D, D)
+    ds = tl.zeros([D, D], dtype=tl.float32)                                  # (D, D)
+    for r in range(0, R):
+        if b * R + r < n_blocks:
+            ds += tl.load(DPL + (bh * n_blocks + b * R + r) * D * D + dd)
     for r in range(0, R):
         m = b * R + r
         if m < n_blocks:
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
-            w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd), tl.load(DKL + cd)
+            w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd).to(tl.float32), tl.load(DKL + cd)
             dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd)         # -dP_m of the attention kernels
             dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - dpn
             # P = I - W^T U
@@ -525,7 +531,8 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DW, DU, T, n_blocks, D: tl.con
             tl.store(DU + cd, -tl.dot(w, dp, input_precision=PREC))
             ds = ds - tl.dot(tl.dot(ds, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
             ds += tl.dot(tl.trans(dkl), kh, input_precision=PREC)
-            tl.store(DKH + cd, tl.load(DKH + cd) + tl.dot(dkl, s, input_precision=PREC))
+            dkh = tl.load(DKH + cd) + tl.dot(dkl, s, input_precision=PREC)
+            tl.store(DKO + cd, dkh.to(DKO.dtype.element_ty))
 
 
 def chunk_kernels_apply(D: int, dtype) -> bool:
@@ -535,14 +542,14 @@ def chunk_kernels_apply(D: int, dtype) -> bool:
     return dtype != torch.float32 and D in (32, 64)
 
 
-def chunk_products_fwd(kh, w, u, C: int, R: int):
-    """`chunk_products` in Triton, one program per chunk: kL, PL and the suffix products S per block
-    (kept for the backward). kh, w, u: (BH, T, D) float32."""
+def chunk_products_fwd(kh, w, u, C: int, R: int, kl_dtype=torch.float32):
+    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix products
+    S per block (kept for the backward). kh: (BH, T, D) float32 or 16 bits, w, u: float32."""
     BH, T, D = kh.shape
     n = T // C
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
-    kl, pl = torch.empty(BH, T, D, **f32), torch.empty(BH, n_chunks, D, D, **f32)
+    kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
     suf = torch.empty(BH, n, D, D, **f32)
     _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
     return kl, pl, suf
@@ -550,13 +557,15 @@ def chunk_products_fwd(kh, w, u, C: int, R: int):
 
 def chunk_products_bwd(kh, w, u, suf, dkl, dpl, dpn, dkh, C: int, R: int):
     """The gradients of kh, w, u through `chunk_products_fwd` for dkL and dPL, plus the attention
-    kernels' own: dpn = -dP per block (BH, n, D, D), and dkh, to which the chunk's share is added in
-    place. Returns (dkh, dW, dU)."""
+    kernels' own: dpn = -dP per block (BH, n, D, D), and dkh (float32), to which the chunk's share is
+    added. dpl holds each block's share of dPL (BH, n, D, D): a chunk's R shares are summed here.
+    Returns (dkh in kh's dtype, dW, dU)."""
     BH, T, D = kh.shape
-    dw, du = torch.empty_like(kh), torch.empty_like(kh)
-    _chunk_bwd[(dpl.shape[1], BH)](kh, w, u, suf, dkl, dpl, dpn, dkh, dw, du, T, T // C, D=D, C=C, R=R,
-                                   PREC="tf32")
-    return dkh, dw, du
+    n = T // C
+    dko, dw, du = torch.empty_like(kh), torch.empty_like(w), torch.empty_like(u)
+    _chunk_bwd[(-(-n // R), BH)](kh, w, u, suf, dkl, dpl, dpn, dkh, dko, dw, du, T, n, D=D, C=C, R=R,
+                                 PREC="tf32")
+    return dko, dw, du
 
 
 def block_size(D: int) -> int:
@@ -572,12 +581,13 @@ class PathScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qh, kh, v, w, u, sd, G, scale, C, R):
         BH, T, D = qh.shape
-        kh32 = kh                                            # float32, for the chunk products' backward
-        if chunk_kernels_apply(D, v.dtype):
-            kl, pl, suf = chunk_products_fwd(kh, w, u, C, R)
+        if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
+            kh32 = kh                                        # (its float32 products upcast kh itself)
+            kl, pl, suf = chunk_products_fwd(kh, w, u, C, R, v.dtype)
         else:
+            kh32 = kh.float()                                # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
-                (kl, pl), suf = chunk_products(kh, w, u, C, R), None
+                (kl, pl), suf = chunk_products(kh32, w, u, C, R), None
             pl = pl.contiguous()
         DV = v.shape[-1]
         n = T // C
@@ -596,7 +606,7 @@ class PathScan(torch.autograd.Function):
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
                       SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse)
-        ctx.scale, ctx.C, ctx.R, ctx.prec = scale, C, R, (prec, prec16)
+        ctx.scale, ctx.C, ctx.R, ctx.prec, ctx.qh_dtype = scale, C, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
@@ -613,7 +623,7 @@ class PathScan(torch.autograd.Function):
         has_g = G is not None
         f32 = dict(device=v.device, dtype=torch.float32)
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
-        dqh, dsd = torch.empty(BH, T, D, **f32), torch.empty(BH, T, C, **f32)
+        dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty(BH, T, C, **f32)
         dkh, dkl = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32)
         dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
@@ -624,10 +634,10 @@ class PathScan(torch.autograd.Function):
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
                           dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
                           **launch("dkv", D))
-        dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
         if suf is not None:                                  # Triton: the chunk backward sums it all
             dkh, dw, du = chunk_products_bwd(kh32, w, u, suf, dkl, dpl, dpn, dkh, C, R)
         else:                                                # PyTorch: autograd through chunk_products
+            dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
             dw = (ub @ dpn.mT).view(BH, T, D)                # P = I - W^T U  =>  dW = -U dP^T
             du = (wb @ dpn).view(BH, T, D)                   #                    dU = -W dP

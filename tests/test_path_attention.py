@@ -178,7 +178,8 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
     float64: kL, PL and the gradients of kh, w, u, with a short last chunk (T = 112, R = 3) and one
-    block per chunk. The backward also takes in the attention kernels' own dP (as -dP) and dkh."""
+    block per chunk. The backward takes dPL as one share per block and sums each chunk's shares; it
+    also takes in the attention kernels' own dP (as -dP) and dkh."""
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
@@ -186,11 +187,12 @@ def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     u = 0.1 * torch.randn(3, T, D, generator=gen)
     n = T // C
     dkl, dkh0 = torch.randn(3, T, D, generator=gen), torch.randn(3, T, D, generator=gen)
-    dpl = torch.randn(3, -(-n // R), D, D, generator=gen)
+    shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
+    dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
     dpn = torch.randn(3, n, D, D, generator=gen)                 # -dP of each block from elsewhere
     kl, pl, suf = chunk_products_fwd(*(x.to(DEV) for x in (kh, w, u)), C, R)
-    grads = chunk_products_bwd(*(x.to(DEV) for x in (kh, w, u)), suf, dkl.to(DEV), dpl.to(DEV), dpn.to(DEV),
-                               dkh0.to(DEV).clone(), C, R)
+    grads = chunk_products_bwd(*(x.to(DEV) for x in (kh, w, u)), suf, dkl.to(DEV), shares.to(DEV),
+                               dpn.to(DEV), dkh0.to(DEV), C, R)
     ref = [x.double().requires_grad_(True) for x in (kh, w, u)]
     want_kl, want_pl = chunk_products(*ref, C, R)
     want = list(torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double())))

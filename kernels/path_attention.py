@@ -320,8 +320,10 @@ def _mm(a, b, LP: tl.constexpr, dt):
     """a @ b with float32 accumulation: with LP the operands are rounded to dt (the input dtype, 16
     bits) for the tensor cores; without, exact float32 products."""
     if LP:
-        return tl.dot(a.to(dt), b.to(dt))
-    return tl.dot(a, b, input_precision="ieee")
+        ab = tl.dot(a.to(dt), b.to(dt))
+    else:
+        ab = tl.dot(a, b, input_precision="ieee")
+    return ab
 
 
 @triton.jit
@@ -373,13 +375,14 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
     dt = Q.dtype.element_ty                                           # product operands with LP
     _tril_inverse(W, BETA, TI, bh * tl.num_programs(0) * C + blk * C, LP, dt, D, C)
     tl.debug_barrier()
-    q, k, w = tl.load(Q + cd).to(tl.float32), tl.load(K + cd).to(tl.float32), tl.load(W + cd)
-    ti = tl.load(TI + cc)
-    a = ti * tl.load(BETA + row)[None, :]                            # A = T^-1 diag(beta)
+    # tensors used only as product operands are held in dt from the start (with LP, _mm would round
+    # them to it anyway): half the registers
+    q, k, w = tl.load(Q + cd), tl.load(K + cd), tl.load(W + cd).to(dt)
+    a = (tl.load(TI + cc) * tl.load(BETA + row)[None, :]).to(dt)      # A = T^-1 diag(beta)
     u = _mm(a, w, LP, dt)
-    qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
-    f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0), LP, dt)
-    tl.store(QH + cd, (q - _mm(qw, u, LP, dt)).to(QH.dtype.element_ty))
+    qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0).to(dt)
+    f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0).to(dt), LP, dt).to(dt)
+    tl.store(QH + cd, (q - _mm(qw, u.to(dt), LP, dt)).to(QH.dtype.element_ty))
     tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
     tl.store(U + cd, u)
     tl.store(SD + cc, scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt)))
@@ -388,45 +391,48 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
 @triton.jit
 def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: tl.constexpr, C: tl.constexpr,
             LP: tl.constexpr):
-    """The gradients of `_ut_fwd`'s outputs taken back to q, k, w and beta, for one block."""
+    """The gradients of `_ut_fwd`'s outputs taken back to q, k, w and beta, for one block. As in the
+    forward, product operands are held in dt; each gradient is stored as soon as it is complete."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     row = bh * tl.num_programs(0) * C + blk * C + rc
     cd, cc = row[:, None] * D + rd[None, :], row[:, None] * C + rc[None, :]
     dt = Q.dtype.element_ty                                           # product operands with LP
-    q, k, w = tl.load(Q + cd).to(tl.float32), tl.load(K + cd).to(tl.float32), tl.load(W + cd)
-    beta = tl.load(BETA + row)
-    ti = tl.load(TI + cc)                                             # T^-1, stored by the forward
-    a = ti * beta[None, :]
     lower = rc[:, None] > rc[None, :]
-    u = _mm(a, w, LP, dt)
-    qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0)
-    mk = tl.where(lower, _mm(w, tl.trans(k), LP, dt), 0.0)       # M = strictLower(w k^T)
-    f = _mm(a, mk, LP, dt)
-    dqh, dkh, dsd = tl.load(DQH + cd).to(tl.float32), tl.load(DKH + cd).to(tl.float32), tl.load(DSD + cc)
+    q, k, w = tl.load(Q + cd), tl.load(K + cd), tl.load(W + cd).to(dt)
+    beta = tl.load(BETA + row)
+    a = (tl.load(TI + cc) * beta[None, :]).to(dt)                    # A = T^-1 diag(beta), T^-1 stored
+    u = _mm(a, w, LP, dt).to(dt)
+    qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0).to(dt)
+    mk = tl.where(lower, _mm(w, tl.trans(k), LP, dt), 0.0).to(dt)   # M = strictLower(w k^T)
+    f = _mm(a, mk, LP, dt).to(dt)
+    dqh, dkh, dsd = tl.load(DQH + cd), tl.load(DKH + cd), tl.load(DSD + cc).to(dt)
     # qh = q - QW u,  kh = k - F^T w,  sd = scale (q k^T - QW F)
     dqw = -_mm(dqh, tl.trans(u), LP, dt) - scale * _mm(dsd, tl.trans(f), LP, dt)
-    dqw = tl.where(rc[:, None] >= rc[None, :], dqw, 0.0)
-    du = tl.load(DU + cd) - _mm(tl.trans(qw), dqh, LP, dt)
-    df = -_mm(w, tl.trans(dkh), LP, dt) - scale * _mm(tl.trans(qw), dsd, LP, dt)
-    dq = dqh + scale * _mm(dsd, k, LP, dt) + _mm(dqw, w, LP, dt)
-    dk = dkh + scale * _mm(tl.trans(dsd), q, LP, dt)
+    dqw = tl.where(rc[:, None] >= rc[None, :], dqw, 0.0).to(dt)
+    dq = dqh.to(tl.float32) + scale * _mm(dsd, k, LP, dt) + _mm(dqw, w, LP, dt)
+    tl.store(DQ + cd, dq.to(DQ.dtype.element_ty))
+    du = (tl.load(DU + cd) - _mm(tl.trans(qw), dqh, LP, dt)).to(dt)
+    # dW's first term before df: in the other order Triton 3.6 compiled _mm(f, dkh) wrongly at D = 32
+    # (dW off by 40 % on an H100; the GPU tests catch it)
     dw = -_mm(f, dkh, LP, dt) + _mm(tl.trans(dqw), q, LP, dt)
+    df = (-_mm(w, tl.trans(dkh), LP, dt) - scale * _mm(tl.trans(qw), dsd, LP, dt)).to(dt)
+    dk = dkh.to(tl.float32) + scale * _mm(tl.trans(dsd), q, LP, dt)
     # F = A M,  u = A w
-    dm = tl.where(lower, _mm(tl.trans(a), df, LP, dt), 0.0)
+    dm = tl.where(lower, _mm(tl.trans(a), df, LP, dt), 0.0).to(dt)
     dk += _mm(tl.trans(dm), w, LP, dt)
+    tl.store(DK + cd, dk.to(DK.dtype.element_ty))
     dw += _mm(dm, k, LP, dt) + _mm(tl.trans(a), du, LP, dt)
     da = _mm(df, tl.trans(mk), LP, dt) + _mm(du, tl.trans(w), LP, dt)
     # A = T^-1 diag(beta),  d(T^-1) -> dT = -T^-T d(T^-1) T^-T,  T = I + strictLower(diag(beta) W W^T)
+    ti = tl.load(TI + cc)                                             # loaded again: not kept live
     dbeta = tl.sum(da * ti, 0)                                                    # column scaling
-    dti = da * beta[None, :]
-    dtm = tl.where(lower, -_mm(_mm(tl.trans(ti), dti, LP, dt), tl.trans(ti), LP, dt), 0.0)
-    ww = _mm(w, tl.trans(w), LP, dt)
-    dbeta += tl.sum(dtm * ww, 1)                                                  # row scaling
-    dww = dtm * beta[:, None]
+    dti = (da * beta[None, :]).to(dt)
+    ti = ti.to(dt)
+    dtm = tl.where(lower, -_mm(_mm(tl.trans(ti), dti, LP, dt).to(dt), tl.trans(ti), LP, dt), 0.0)
+    dbeta += tl.sum(dtm * _mm(w, tl.trans(w), LP, dt), 1)                        # row scaling
+    dww = (dtm * beta[:, None]).to(dt)
     dw += _mm(dww, w, LP, dt) + _mm(tl.trans(dww), w, LP, dt)
-    tl.store(DQ + cd, dq.to(DQ.dtype.element_ty))
-    tl.store(DK + cd, dk.to(DK.dtype.element_ty))
     tl.store(DW + cd, dw)
     tl.store(DBETA + row, dbeta)
 

@@ -302,8 +302,8 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP
     tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
     tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
-    tl.store(DPN + dd, (-dp_m).to(DPN.dtype.element_ty))  # negated: dW = -U dP^T, dU = -W dP need no sign pass
-    tl.store(DPL + dd, dpl.to(DPL.dtype.element_ty))
+    tl.store(DPN + dd, -dp_m)                        # negated: dW = -U dP^T, dU = -W dP need no sign pass
+    tl.store(DPL + dd, dpl)
     if HAS_G:
         tl.store(DGK + col, dg)
 
@@ -501,7 +501,7 @@ def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.conste
         m = b * R + R - 1 - t
         if m < n_blocks:                                                  # the last chunk may be short
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
-            tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s.to(SUF.dtype.element_ty))
+            tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
             kh = tl.load(KH + cd).to(tl.float32)
             tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
             w, u = tl.load(W + cd), tl.load(U + cd)
@@ -523,14 +523,14 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DKO, DW, DU, T, n_blocks, D: t
     ds = tl.zeros([D, D], dtype=tl.float32)                                  # (D, D)
     for r in range(0, R):
         if b * R + r < n_blocks:
-            ds += tl.load(DPL + (bh * n_blocks + b * R + r) * D * D + dd).to(tl.float32)
+            ds += tl.load(DPL + (bh * n_blocks + b * R + r) * D * D + dd)
     for r in range(0, R):
         m = b * R + r
         if m < n_blocks:
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
-            s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd).to(tl.float32)
+            s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
             w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd).to(tl.float32), tl.load(DKL + cd)
-            dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd).to(tl.float32)  # -dP_m, attention kernels
+            dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd)         # -dP_m of the attention kernels
             dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - dpn
             # P = I - W^T U
             tl.store(DW + cd, -tl.dot(u, tl.trans(dp), input_precision=PREC))
@@ -548,15 +548,15 @@ def chunk_kernels_apply(D: int, dtype) -> bool:
     return dtype != torch.float32 and D in (32, 64)
 
 
-def chunk_products_fwd(kh, w, u, C: int, R: int, dtype=torch.float32):
-    """`chunk_products` in Triton, one program per chunk: kL, PL and the suffix products S per block
-    (kept for the backward; kL and S in `dtype`). kh: (BH, T, D) float32 or 16 bits, w, u: float32."""
+def chunk_products_fwd(kh, w, u, C: int, R: int, kl_dtype=torch.float32):
+    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix products
+    S per block (kept for the backward). kh: (BH, T, D) float32 or 16 bits, w, u: float32."""
     BH, T, D = kh.shape
     n = T // C
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
-    kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=dtype), torch.empty(BH, n_chunks, D, D, **f32)
-    suf = torch.empty(BH, n, D, D, device=kh.device, dtype=dtype)
+    kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
+    suf = torch.empty(BH, n, D, D, **f32)
     _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
     return kl, pl, suf
 
@@ -631,9 +631,7 @@ class PathScan(torch.autograd.Function):
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty(BH, T, C, **f32)
         dkh, dkl = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32)
-        # the D x D gradients only feed the chunk kernels' TF32 products: 16 bits (suf, S per block, too)
-        dp_dtype = torch.float32 if suf is None else suf.dtype
-        dv, dpn, dpl = torch.empty_like(v), *(torch.empty(BH, n, D, D, device=v.device, dtype=dp_dtype) for _ in range(2))
+        dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,

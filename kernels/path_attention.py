@@ -336,32 +336,37 @@ def _piece(TI, row, r, c, C: tl.constexpr):
 @triton.jit
 def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, C: tl.constexpr):
     """T^-1 for T = I + strictLower(diag(beta) W W^T) of one block (C rows from `row`), written to TI
-    (C x C) in pieces of 16 x 16. Piece (a, a) by forward substitution, one row per step; the pieces
-    left of it from the ones above: T^-1_ab = -T^-1_aa sum_{b <= c < a} L_ac T^-1_cb (L = T - I),
+    (C x C) in pieces of 16 x 16. The C / 16 diagonal pieces together, as a (C / 16, 16, 16) tensor,
+    by forward substitution, one row of every piece per step; then the pieces left of the diagonal,
+    row of pieces a after row a - 1: T^-1_ab = -T^-1_aa sum_{b <= c < a} L_ac T^-1_cb (L = T - I),
     with exact float32 products. The pieces go through TI, so the caller syncs before loading it."""
-    r16, rd = tl.arange(0, 16), tl.arange(0, D)
-    eye = r16[:, None] == r16[None, :]
-    for a in tl.static_range(C // 16):
-        ra = row + a * 16 + r16                                          # (16,) rows of piece a
-        wa, beta_a = tl.load(W + ra[:, None] * D + rd[None, :]), tl.load(BETA + ra)
-        L = tl.where(r16[:, None] > r16[None, :], beta_a[:, None] * _mm(wa, tl.trans(wa), LP, dt), 0.0)
-        ti = tl.where(eye, 1.0, 0.0)
-        for i in range(1, 16):                           # row i = e_i - L[i, :] T^-1 (rows < i done)
-            li = tl.sum(tl.where(r16[:, None] == i, L, 0.0), 0)                   # L[i, :] as (16,)
-            ri = tl.where(r16 == i, 1.0, 0.0) - tl.sum(li[:, None] * ti, 0)
-            ti = tl.where(r16[:, None] == i, ri[None, :], ti)
-        tl.store(_piece(TI, row, a, a, C), ti)
-        for b in tl.static_range(C // 16):
-            if b > a:
-                tl.store(_piece(TI, row, a, b, C), tl.zeros([16, 16], tl.float32))
-        tl.debug_barrier()                                              # pieces of rows < a are stored
+    NP: tl.constexpr = C // 16
+    r16, rp, rd, rc = tl.arange(0, 16), tl.arange(0, NP), tl.arange(0, D), tl.arange(0, C)
+    rows = row + rp[:, None] * 16 + r16[None, :]                                     # (NP, 16)
+    w3 = tl.load(W + rows[:, :, None] * D + rd[None, None, :])                       # (NP, 16, D)
+    lower = r16[None, :, None] > r16[None, None, :]
+    L = tl.where(lower, tl.load(BETA + rows)[:, :, None] * _mm(w3, tl.trans(w3, (0, 2, 1)), LP, dt), 0.0)
+    ti = tl.where(r16[None, :, None] == r16[None, None, :], 1.0, 0.0) + tl.zeros([NP, 16, 16], tl.float32)
+    for i in range(1, 16):                       # row i = e_i - L[i, :] T^-1 (rows < i done), per piece
+        li = tl.sum(tl.where(r16[None, :, None] == i, L, 0.0), 1)                     # (NP, 16)
+        ri = tl.where(r16[None, :] == i, 1.0, 0.0) - tl.sum(li[:, :, None] * ti, 1)
+        ti = tl.where(r16[None, :, None] == i, ri[:, None, :], ti)
+    tl.store(TI + rows[:, :, None] * C + rp[:, None, None] * 16 + r16[None, None, :], ti)
+    tl.store(TI + (row + rc)[:, None] * C + rc[None, :], tl.zeros([C, C], tl.float32),
+             mask=rc[None, :] // 16 > rc[:, None] // 16)                           # above the diagonal
+    tl.debug_barrier()                                                  # the diagonal pieces are stored
+    for a in tl.static_range(1, NP):
+        wa = tl.load(W + (row + a * 16 + r16)[:, None] * D + rd[None, :])
+        beta_a = tl.load(BETA + row + a * 16 + r16)
+        tia = tl.load(_piece(TI, row, a, a, C))
         for b in tl.static_range(a):
             acc = tl.zeros([16, 16], tl.float32)
             for c in tl.static_range(b, a):
                 wc = tl.load(W + (row + c * 16 + r16)[:, None] * D + rd[None, :])
                 lac = beta_a[:, None] * _mm(wa, tl.trans(wc), LP, dt)
                 acc += tl.dot(lac, tl.load(_piece(TI, row, c, b, C)), input_precision="ieee")
-            tl.store(_piece(TI, row, a, b, C), -tl.dot(ti, acc, input_precision="ieee"))
+            tl.store(_piece(TI, row, a, b, C), -tl.dot(tia, acc, input_precision="ieee"))
+        tl.debug_barrier()                                              # row of pieces a is stored
 
 
 @triton.jit

@@ -106,7 +106,7 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 
 
 @triton.jit
-def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
+def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
          HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
@@ -140,9 +140,8 @@ def _fwd(QH, KH, KL, V, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n
             s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
         v = tl.load(V + col[:, None] * DV + rv[None, :])
         mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
-        w = tl.load(W + col[:, None] * D + rd[None, :])
-        u = tl.load(U + col[:, None] * D + rd[None, :])
-        q = q - tl.dot(tl.dot(q, tl.trans(w), input_precision=PREC), u, input_precision=PREC)
+        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])   # (D, D) M_m
+        q = q - tl.dot(q, mb, input_precision=PREC)
     # 3. the earlier chunks, right to left, one state each
     first = bh * n_inter + _inter(i, R)
     for t in range(0, a):
@@ -178,7 +177,7 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 
 
 @triton.jit
-def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
+def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
             R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
             PREC16: tl.constexpr):
@@ -227,9 +226,8 @@ def _bwd_dq(QS, QL, KH, KL, V, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, 
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
-        w = tl.load(W + col[:, None] * D + rd[None, :])
-        u = tl.load(U + col[:, None] * D + rd[None, :])
-        x = x - tl.dot(tl.dot(x, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
+        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])
+        x = x - tl.dot(x, tl.trans(mb), input_precision=PREC)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
     if HAS_G:
@@ -493,10 +491,11 @@ def chunk_products(kh, w, u, C: int, R: int):
 
 
 @triton.jit
-def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr):
+def _chunk_fwd(KH, W, U, KL, PL, SUF, MB, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                PREC: tl.constexpr):
     """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
-    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r. S is kept per block for the
+    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r with
+    M_r = W_r^T U_r, which is stored for the attention kernels. S is kept per block for the
     backward; PL = S at the end."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
@@ -509,8 +508,9 @@ def _chunk_fwd(KH, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.conste
             tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
             kh = tl.load(KH + cd).to(tl.float32)
             tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
-            w, u = tl.load(W + cd), tl.load(U + cd)
-            s = s - tl.dot(tl.dot(s, tl.trans(w), input_precision=PREC), u, input_precision=PREC)
+            mb = tl.dot(tl.trans(tl.load(W + cd)), tl.load(U + cd), input_precision=PREC)
+            tl.store(MB + (bh * n_blocks + m) * D * D + dd, mb)
+            s = s - tl.dot(s, mb, input_precision=PREC)
     tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + dd, s)
 
 
@@ -554,16 +554,17 @@ def chunk_kernels_apply(D: int, dtype) -> bool:
 
 
 def chunk_products_fwd(kh, w, u, C: int, R: int, kl_dtype=torch.float32):
-    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix products
-    S per block (kept for the backward). kh: (BH, T, D) float32 or 16 bits, w, u: float32."""
+    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL, the suffix products
+    S per block (kept for the backward) and M = W^T U per block (BH, n, D, D). kh: (BH, T, D)
+    float32 or 16 bits, w, u: float32."""
     BH, T, D = kh.shape
     n = T // C
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
     kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
-    suf = torch.empty(BH, n, D, D, **f32)
-    _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
-    return kl, pl, suf
+    suf, mb = torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+    _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, mb, T, n, D=D, C=C, R=R, PREC="tf32")
+    return kl, pl, suf, mb
 
 
 def chunk_products_bwd(kh, w, u, suf, dkl, dpl, dpn, dkh, C: int, R: int):
@@ -594,11 +595,12 @@ class PathScan(torch.autograd.Function):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             kh32 = kh                                        # (its float32 products upcast kh itself)
-            kl, pl, suf = chunk_products_fwd(kh, w, u, C, R, v.dtype)
+            kl, pl, suf, mb = chunk_products_fwd(kh, w, u, C, R, v.dtype)
         else:
             kh32 = kh.float()                                # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
                 (kl, pl), suf = chunk_products(kh32, w, u, C, R), None
+                mb = w.view(BH, T // C, C, D).mT @ u.view(BH, T // C, C, D)      # M = W^T U per block
             pl = pl.contiguous()
         DV = v.shape[-1]
         n = T // C
@@ -613,16 +615,16 @@ class PathScan(torch.autograd.Function):
         states = lambda k: torch.empty(BH, max(k, 1), C, D, device=v.device, dtype=kh.dtype)  # noqa: E731
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
-        _fwd[(n, BH)](qh, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
+        _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
                       SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse)
+        ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec, ctx.qh_dtype = scale, C, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, kh32, kh, kl, v, w, u, pl, suf, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, kh32, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
         scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -639,7 +641,7 @@ class PathScan(torch.autograd.Function):
         dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, w, u, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
                          **meta, **launch("dq", D))
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,

@@ -177,8 +177,8 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 @pytest.mark.parametrize("T,D,C,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
-    float64: kL, PL and the gradients of kh, w, u, with a short last chunk (T = 112, R = 3) and one
-    block per chunk. The backward takes dPL as one share per block and sums each chunk's shares; it
+    float64: kL, PL, M = W^T U per block and the gradients of kh, w, u, with a short last chunk
+    (T = 112, R = 3) and one block per chunk. The backward takes dPL as one share per block and sums each chunk's shares; it
     also takes in the attention kernels' own dP (as -dP) and dkh."""
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
@@ -190,7 +190,7 @@ def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
     dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
     dpn = torch.randn(3, n, D, D, generator=gen)                 # -dP of each block from elsewhere
-    kl, pl, suf = chunk_products_fwd(*(x.to(DEV) for x in (kh, w, u)), C, R)
+    kl, pl, suf, mb = chunk_products_fwd(*(x.to(DEV) for x in (kh, w, u)), C, R)
     grads = chunk_products_bwd(*(x.to(DEV) for x in (kh, w, u)), suf, dkl.to(DEV), shares.to(DEV),
                                dpn.to(DEV), dkh0.to(DEV), C, R)
     ref = [x.double().requires_grad_(True) for x in (kh, w, u)]
@@ -201,7 +201,8 @@ def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     want[1] = want[1] + (ub @ dpn.double().mT).view(3, T, D)     # P = I - W^T U: dW = -U dP^T
     want[2] = want[2] + (wb @ dpn.double()).view(3, T, D)        #                dU = -W dP
     tol = 1e-5 if not GPU else 5e-3            # TF32 products on a GPU; exact in the interpreter
-    for name, a, b in zip(["kL", "PL", "dkh", "dw", "du"], [kl, pl, *grads], [want_kl, want_pl, *want]):
+    got, want = [kl, pl, mb, *grads], [want_kl, want_pl, wb.mT @ ub, *want]   # M = W^T U per block
+    for name, a, b in zip(["kL", "PL", "M", "dkh", "dw", "du"], got, want):
         err = (a.double().cpu() - b.detach()).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 

@@ -133,23 +133,27 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
     for t in range(0, i - a * R):
         m = i - 1 - t
         col = bh * T + m * C + rc
-        if SAVE:
-            tl.store(QS + (first + t) * C * D + tile, q.to(QS.dtype.element_ty))
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        s = tl.dot(q.to(kh.dtype), tl.trans(kh), input_precision=PREC16) * qk_scale
+        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])   # (D, D) M_m
+        qk = q.to(kh.dtype)
+        if SAVE:
+            tl.store(QS + (first + t) * C * D + tile, qk)
+        q = q - tl.dot(q, mb, input_precision=PREC)          # the next state, while this one scores
+        s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
         v = tl.load(V + col[:, None] * DV + rv[None, :])
         mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
-        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])   # (D, D) M_m
-        q = q - tl.dot(q, mb, input_precision=PREC)
     # 3. the earlier chunks, right to left, one state each
     first = bh * n_inter + _inter(i, R)
     for t in range(0, a):
         b = a - 1 - t
-        if SAVE:
-            tl.store(QL + (first + b) * C * D + tile, q.to(QL.dtype.element_ty))
         qk = q.to(KL.dtype.element_ty)
+        if SAVE:
+            tl.store(QL + (first + b) * C * D + tile, qk)
+        if b > 0:                                          # the next state, while this one scores
+            pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])  # (D, D)
+            q = tl.dot(q, pl, input_precision=PREC)
         for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk                 # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
@@ -158,8 +162,6 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
                 sk += gq[:, None] - tl.load(G + ck)[None, :] * 1.4426950408889634
             vk = tl.load(V + ck[:, None] * DV + rv[None, :])
             mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
-        pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])  # (D, D)
-        q = tl.dot(q, pl, input_precision=PREC)
     tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
     tl.store(LSE + row, mx + tl.log2(lsum))
 

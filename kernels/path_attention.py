@@ -6,23 +6,25 @@ with D >= 32, `path_attention.ut_blocks` (PyTorch, exact float32, differentiated
 otherwise.
 Then the attention kernels see, for blocks of C tokens,
 
-    qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)
-    w, u:   the block products P_m = I - W_m^T U_m              (B*H, T, D) float32
-    sd:     the scaled logits inside each block                 (B*H, T, C) float32
-    G:      the cumulative log forget gate (optional)           (B*H, T)    float32
+    qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)     input dtype
+    w, u:   the block products P_m = I - W_m^T U_m              (B*H, T, D)     float32
+    sd:     the scaled logits inside each block                 (B*H, T, C)     float32
+    G:      the cumulative log forget gate (optional)           (B*H, T)        float32
 
 Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
-multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to the
-end of its chunk (kL). A query then needs the block products only inside its own chunk; further
+multiplies each chunk's block products into one D x D matrix PL_b, carries every key on to the
+end of its chunk (kL) and keeps M_m = W_m^T U_m (D x D) of every block, so that the attention
+kernels carry a state through P_m with one product. A query then needs the block products only inside its own chunk; further
 left it scores a whole chunk of keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 
   1. the diagonal block, from sd;
   2. the earlier blocks m = i-1 ... aR of its chunk, right to left: score with the query state Q~
-     (float32, in registers), then carry it through P_m:  Q~ <- Q~ - (Q~ W_m^T) U_m;
-  3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, then Q~ <- Q~ PL_b.
+     (float32, in registers), and carry it through P_m:  Q~ <- Q~ - Q~ M_m;
+  3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, and Q~ <- Q~ PL_b.
+In both loops the next state is formed before the current one scores, so that the two overlap.
 
 Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
 before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
@@ -313,8 +315,9 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP
 # One program per (block, batch*head) holds the block's C x C matrices in registers: T^-1 (built in
 # 16 x 16 pieces, `_tril_inverse`), then a dozen C x C and C x D products; the backward recomputes
 # all but T^-1, which the forward stores. Measured at B*H = 256, T = 4096, D = 64, bf16 on an H100:
-# 1.7 ms forward, 2.7 ms backward (4.9 ms forward with one 63-step substitution on the whole 64 x 64
-# matrix); ut_blocks took 7.9 and 24.8 ms in an earlier measurement.
+# 1.5 ms forward, 1.3 ms backward (4.9 ms forward with one 63-step substitution on the whole 64 x 64
+# matrix, 2.7 ms backward with float32 operands in registers: they spilled); ut_blocks took 7.9 and
+# 24.8 ms in an earlier measurement.
 
 @triton.jit
 def _mm(a, b, LP: tl.constexpr, dt):

@@ -15,8 +15,9 @@ Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `ch
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b, carries every key on to the
 end of its chunk (kL) and keeps M_m = W_m^T U_m (D x D) of every block, so that the attention
-kernels carry a state through P_m with one product. A query then needs the block products only inside its own chunk; further
-left it scores a whole chunk of keys with one state and carries that state once per chunk.
+kernels carry a state through P_m with one product. A query then needs the block products only
+inside its own chunk; further left it scores a whole chunk of keys with one state and carries that
+state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 
@@ -468,7 +469,8 @@ class UTBlocks(torch.autograd.Function):
         q, k, w, beta, ti = ctx.saved_tensors
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        grads = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((dqh, q), (dkh, k), (du, w))]
+        grads = [torch.zeros_like(x) if g is None else g.contiguous()
+                 for g, x in ((dqh, q), (dkh, k), (du, w))]
         dsd = torch.zeros(BH, T, ctx.C, **f32) if dsd is None else dsd.float().contiguous()
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
@@ -497,8 +499,8 @@ def chunk_products(kh, w, u, C: int, R: int):
 
 
 @triton.jit
-def _chunk_fwd(KH, W, U, KL, PL, SUF, MB, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                PREC: tl.constexpr):
+def _chunk_fwd(KH, W, U, KL, PL, SUF, MB, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
+               R: tl.constexpr, PREC: tl.constexpr):
     """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
     keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r with
     M_r = W_r^T U_r, which is stored for the attention kernels. S is kept per block for the
@@ -540,7 +542,8 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DKO, DW, DU, T, n_blocks, D: t
         if m < n_blocks:
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
-            w, u, kh, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(KH + cd).to(tl.float32), tl.load(DKL + cd)
+            w, u, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(DKL + cd)
+            kh = tl.load(KH + cd).to(tl.float32)
             dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd)         # -dP_m of the attention kernels
             dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - dpn
             # P = I - W^T U

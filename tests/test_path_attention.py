@@ -178,8 +178,8 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
     float64: kL, PL, M = W^T U per block and the gradients of kh, w, u, with a short last chunk
-    (T = 112, R = 3) and one block per chunk. The backward takes dPL as one share per block and sums each chunk's shares; it
-    also takes in the attention kernels' own dP (as -dP) and dkh."""
+    (T = 112, R = 3) and one block per chunk. The backward takes dPL as one share per block and sums
+    each chunk's shares; it also takes in the attention kernels' own dP (as -dP) and dkh."""
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)

@@ -99,6 +99,12 @@ def n_states(n: int, R: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _square(P, k, rd, D: tl.constexpr):
+    """The k-th D x D matrix of P (row-major): M_m or PL_b."""
+    return tl.load(P + (k * D + rd[:, None]) * D + rd[None, :])
+
+
+@triton.jit
 def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
     """One online-softmax update with base-2 logits s (C, keys) and values v (keys, DV)."""
     mnew = tl.maximum(mx, tl.max(s, 1))
@@ -137,7 +143,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         m = i - 1 - t
         col = bh * T + m * C + rc
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])   # (D, D) M_m
+        mb = _square(MB, bh * (T // C) + m, rd, D)                                    # (D, D) M_m
         qk = q.to(kh.dtype)
         if SAVE:
             tl.store(QS + (first + t) * C * D + tile, qk)
@@ -155,7 +161,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         if SAVE:
             tl.store(QL + (first + b) * C * D + tile, qk)
         if b > 0:                                          # the next state, while this one scores
-            pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])  # (D, D)
+            pl = _square(PL, bh * n_chunks + b, rd, D)
             q = tl.dot(q, pl, input_precision=PREC)
         for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk                 # (KB,) key rows
@@ -214,7 +220,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
         at = (first + b) * C * D + tile
         tl.store(XL + at, x.to(XL.dtype.element_ty))
         qs = tl.load(QL + at)
-        pl = tl.load(PL + ((bh * n_chunks + b) * D + rd[:, None]) * D + rd[None, :])
+        pl = _square(PL, bh * n_chunks + b, rd, D)
         x = tl.dot(x, tl.trans(pl), input_precision=PREC)
         for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
             ck = bh * T + b * R * C + j + rk
@@ -232,7 +238,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
-        mb = tl.load(MB + ((bh * (T // C) + m) * D + rd[:, None]) * D + rd[None, :])
+        mb = _square(MB, bh * (T // C) + m, rd, D)
         x = x - tl.dot(x, tl.trans(mb), input_precision=PREC)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
@@ -435,7 +441,7 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
     dw += _mm(dm, k, LP, dt) + _mm(tl.trans(a), du, LP, dt)
     da = _mm(df, tl.trans(mk), LP, dt) + _mm(du, tl.trans(w), LP, dt)
     # A = T^-1 diag(beta),  d(T^-1) -> dT = -T^-T d(T^-1) T^-T,  T = I + strictLower(diag(beta) W W^T)
-    ti = tl.load(TI + cc)                                             # loaded again: not kept live
+    ti = tl.load(TI + cc)                                             # T^-1, for dbeta and dT
     dbeta = tl.sum(da * ti, 0)                                                    # column scaling
     dti = (da * beta[None, :]).to(dt)
     ti = ti.to(dt)
@@ -603,12 +609,13 @@ class PathScan(torch.autograd.Function):
     def forward(ctx, qh, kh, v, w, u, sd, G, scale, C, R):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
-            kh32 = kh                                        # (its float32 products upcast kh itself)
+            khc = kh                                         # kh as the chunk products take it (they
+                                                             # upcast it for their float32 products)
             kl, pl, suf, mb = chunk_products_fwd(kh, w, u, C, R, v.dtype)
         else:
-            kh32 = kh.float()                                # float32, for the chunk products' backward
+            khc = kh.float()                                 # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
-                (kl, pl), suf = chunk_products(kh32, w, u, C, R), None
+                (kl, pl), suf = chunk_products(khc, w, u, C, R), None
                 mb = w.view(BH, T // C, C, D).mT @ u.view(BH, T // C, C, D)      # M = W^T U per block
             pl = pl.contiguous()
         DV = v.shape[-1]
@@ -627,13 +634,13 @@ class PathScan(torch.autograd.Function):
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
                       SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, kh32, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse)
+        ctx.save_for_backward(qs, ql, khc, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec, ctx.qh_dtype = scale, C, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, kh32, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, khc, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
         scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -657,14 +664,14 @@ class PathScan(torch.autograd.Function):
                           dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
                           **launch("dkv", D))
         if suf is not None:                                  # Triton: the chunk backward sums it all
-            dkh, dw, du = chunk_products_bwd(kh32, w, u, suf, dkl, dpl, dpn, dkh, C, R)
+            dkh, dw, du = chunk_products_bwd(khc, w, u, suf, dkl, dpl, dpn, dkh, C, R)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
             dw = (ub @ dpn.mT).view(BH, T, D)                # P = I - W^T U  =>  dW = -U dP^T
             du = (wb @ dpn).view(BH, T, D)                   #                    dU = -W dP
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):
-                ins = [x.detach().requires_grad_(True) for x in (kh32, w, u)]
+                ins = [x.detach().requires_grad_(True) for x in (khc, w, u)]
                 grads = torch.autograd.grad(chunk_products(*ins, C, R), ins, (dkl, dpl))
             dkh, dw, du = dkh + grads[0], dw + grads[1], du + grads[2]
         dG = dgq + dgk if has_g else None

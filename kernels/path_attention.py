@@ -7,15 +7,15 @@ otherwise.
 Then the attention kernels see, for blocks of C tokens,
 
     qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)     input dtype
-    w, u:   the block products P_m = I - W_m^T U_m              (B*H, T, D)     float32
+    M:      the block products P_m = I - M_m, M_m = W_m^T U_m   (B*H, T/C, D, D) float32
     sd:     the scaled logits inside each block                 (B*H, T, C)     float32
     G:      the cumulative log forget gate (optional)           (B*H, T)        float32
 
 Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
-multiplies each chunk's block products into one D x D matrix PL_b, carries every key on to the
-end of its chunk (kL) and keeps M_m = W_m^T U_m (D x D) of every block, so that the attention
-kernels carry a state through P_m with one product. A query then needs the block products only
+multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
+the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
+M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW). A query then needs the block products only
 inside its own chunk; further left it scores a whole chunk of keys with one state and carries that
 state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
@@ -37,9 +37,8 @@ memory), and
              dQ^_i, the gradient of sd and the query side of dG;
   `_bwd_dkv` (per key block) accumulates dK^ (queries of its own chunk), dkL (later chunks), dV,
              dP_m, its share of dPL_b and the key side of dG in registers: no atomics;
-  `_chunk_bwd` (per chunk) takes dkL and dPL back through the chunk products to kh, W and U, adding
-             the attention kernels' dK^ and turning dP_m into dW = -U dP^T, dU = -W dP (from
-             P = I - W^T U).
+  `_chunk_bwd` (per chunk) takes dkL and dPL back through the chunk products to kh and M, adding
+             the attention kernels' dK^ and dM = -dP; the UT backward takes dM on to W and U.
 Tensors are padded to a multiple of C by the caller (zero w, beta = 0: H = I), so the kernels
 have no bounds checks. Logits are kept in base 2 (times log2 e) as in the Triton tutorial.
 """
@@ -263,7 +262,7 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
 
 
 @triton.jit
-def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DPN, DPL, DGK, T, n_blocks,
+def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, T, n_blocks,
              n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
              R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -312,7 +311,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DP
     tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
     tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
-    tl.store(DPN + dd, -dp_m)                        # negated: dW = -U dP^T, dU = -W dP need no sign pass
+    tl.store(DM + dd, -dp_m)                                                  # dM = -dP (P = I - M)
     tl.store(DPL + dd, dpl)
     if HAS_G:
         tl.store(DGK + col, dg)
@@ -381,9 +380,10 @@ def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, C: tl
 
 
 @triton.jit
-def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.constexpr, LP: tl.constexpr):
-    """One block: qh = q - QW u, kh = k - F^T w, u = A w, sd = scale (q k^T - QW F), and T^-1 kept
-    for the backward. QW = lower(q w^T), F = A strictLower(w k^T)."""
+def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, C: tl.constexpr, LP: tl.constexpr):
+    """One block: qh = q - QW u, kh = k - F^T w, sd = scale (q k^T - QW F), the block product as
+    M = W^T u (P = I - M, D x D) with u = A w, and T^-1 kept for the backward. QW = lower(q w^T),
+    F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     row = bh * tl.num_programs(0) * C + blk * C + rc                  # (C,) token rows
@@ -400,12 +400,13 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, U, SD, TI, scale, D: tl.constexpr, C: tl.cons
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0).to(dt), LP, dt).to(dt)
     tl.store(QH + cd, (q - _mm(qw, u.to(dt), LP, dt)).to(QH.dtype.element_ty))
     tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
-    tl.store(U + cd, u)
     tl.store(SD + cc, scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt)))
+    dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
+    tl.store(MB + dd, _mm(tl.trans(w), u.to(dt), LP, dt))
 
 
 @triton.jit
-def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: tl.constexpr, C: tl.constexpr,
+def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: tl.constexpr, C: tl.constexpr,
             LP: tl.constexpr):
     """The gradients of `_ut_fwd`'s outputs taken back to q, k, w and beta, for one block. As in the
     forward, product operands are held in dt; each gradient is stored as soon as it is complete."""
@@ -423,15 +424,16 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
     mk = tl.where(lower, _mm(w, tl.trans(k), LP, dt), 0.0).to(dt)   # M = strictLower(w k^T)
     f = _mm(a, mk, LP, dt).to(dt)
     dqh, dkh, dsd = tl.load(DQH + cd), tl.load(DKH + cd), tl.load(DSD + cc).to(dt)
-    # qh = q - QW u,  kh = k - F^T w,  sd = scale (q k^T - QW F)
+    # qh = q - QW u,  kh = k - F^T w,  sd = scale (q k^T - QW F),  M = W^T u
     dqw = -_mm(dqh, tl.trans(u), LP, dt) - scale * _mm(dsd, tl.trans(f), LP, dt)
     dqw = tl.where(rc[:, None] >= rc[None, :], dqw, 0.0).to(dt)
     dq = dqh.to(tl.float32) + scale * _mm(dsd, k, LP, dt) + _mm(dqw, w, LP, dt)
     tl.store(DQ + cd, dq.to(DQ.dtype.element_ty))
-    du = (tl.load(DU + cd) - _mm(tl.trans(qw), dqh, LP, dt)).to(dt)
-    # dW's first term before df: in the other order Triton 3.6 compiled _mm(f, dkh) wrongly at D = 32
-    # (dW off by 40 % on an H100; the GPU tests catch it)
-    dw = -_mm(f, dkh, LP, dt) + _mm(tl.trans(dqw), q, LP, dt)
+    dmb = tl.load(DMB + (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]).to(dt)
+    du = (_mm(w, dmb, LP, dt) - _mm(tl.trans(qw), dqh, LP, dt)).to(dt)
+    # dW's first terms before df and in this order: with df first, or with the dM term first, Triton
+    # 3.6 compiled them wrongly at D = 32 (dW off by 40 % and 9 % on an H100; the GPU tests catch it)
+    dw = -_mm(f, dkh, LP, dt) + _mm(tl.trans(dqw), q, LP, dt) + _mm(u, tl.trans(dmb), LP, dt)
     df = (-_mm(w, tl.trans(dkh), LP, dt) - scale * _mm(tl.trans(qw), dsd, LP, dt)).to(dt)
     dk = dkh.to(tl.float32) + scale * _mm(tl.trans(dsd), q, LP, dt)
     # F = A M,  u = A w
@@ -454,29 +456,30 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DU, DSD, DQ, DK, DW, DBETA, scale, D: t
 
 
 class UTBlocks(torch.autograd.Function):
-    """(qh, kh, u, sd) of `path_attention.ut_blocks` from q, k, w, beta of shapes (BH, T, D) and
-    (BH, T), T a multiple of C; fused per block in Triton. qh and kh come out in the input dtype
-    (they are rounded to it for the tensor cores later anyway), u and sd in float32."""
+    """(qh, kh, M, sd) from q, k, w, beta of shapes (BH, T, D) and (BH, T), T a multiple of C; fused
+    per block in Triton. qh, kh and sd are those of `path_attention.ut_blocks`, M = W^T U per block
+    (BH, T / C, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
+    are rounded to it for the tensor cores later anyway), M and sd in float32."""
 
     @staticmethod
     def forward(ctx, q, k, w, beta, scale, C):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        qh, kh, u = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
+        qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // C, D, D, **f32)
         sd, ti = torch.empty(BH, T, C, **f32), torch.empty(BH, T, C, **f32)
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
-        _ut_fwd[(T // C, BH)](q, k, w, beta, qh, kh, u, sd, ti, scale, D=D, C=C, LP=lp, num_warps=UT_WARPS)
+        _ut_fwd[(T // C, BH)](q, k, w, beta, qh, kh, mb, sd, ti, scale, D=D, C=C, LP=lp, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)
         ctx.scale, ctx.C, ctx.lp = scale, C, lp
-        return qh, kh, u, sd
+        return qh, kh, mb, sd
 
     @staticmethod
-    def backward(ctx, dqh, dkh, du, dsd):
+    def backward(ctx, dqh, dkh, dmb, dsd):
         q, k, w, beta, ti = ctx.saved_tensors
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        grads = [torch.zeros_like(x) if g is None else g.contiguous()
-                 for g, x in ((dqh, q), (dkh, k), (du, w))]
+        grads = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((dqh, q), (dkh, k))]
+        grads.append(torch.zeros(BH, T // ctx.C, D, D, **f32) if dmb is None else dmb.float().contiguous())
         dsd = torch.zeros(BH, T, ctx.C, **f32) if dsd is None else dsd.float().contiguous()
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
@@ -485,17 +488,18 @@ class UTBlocks(torch.autograd.Function):
         return dq, dk, dw, dbeta, None, None
 
 
-def chunk_products(kh, w, u, C: int, R: int):
+def chunk_products(kh, mb, C: int, R: int):
     """kL: every key carried from the end of its block on to the end of its chunk of R blocks, and
-    PL: each chunk's product P_last ... P_first as a D x D matrix (q <- q PL). Float32, autograd.
-    kh, w, u: (BH, T, D) -> kL (BH, T, D), PL (BH, n_chunks, D, D)."""
+    PL: each chunk's product P_last ... P_first as a D x D matrix (q <- q PL), with P = I - M.
+    Float32, autograd. kh: (BH, T, D), mb: M per block (BH, T / C, D, D) -> kL (BH, T, D),
+    PL (BH, n_chunks, D, D)."""
     BH, T, D = kh.shape
     n = T // C
     n_chunks = -(-n // R)
-    pad = (n_chunks * R - n) * C                               # identity blocks fill the last chunk
-    kb, wb, ub = (F.pad(x, (0, 0, 0, pad)).view(BH, n_chunks, R, C, D) for x in (kh, w, u))
+    pad = n_chunks * R - n                                     # identity blocks (M = 0) fill the last chunk
+    kb = F.pad(kh, (0, 0, 0, pad * C)).view(BH, n_chunks, R, C, D)
     eye = torch.eye(D, device=kh.device, dtype=kh.dtype)
-    P = eye - wb.mT @ ub                                       # (BH, n_chunks, R, D, D)
+    P = eye - F.pad(mb, (0, 0, 0, 0, 0, pad)).view(BH, n_chunks, R, D, D)   # (BH, n_chunks, R, D, D)
     suffix = [eye.expand(BH, n_chunks, D, D)]                 # P_{R-1} ... P_{r+1}, from r = R-1 down
     for r in range(R - 1, 0, -1):
         suffix.append(suffix[-1] @ P[:, :, r])
@@ -505,12 +509,11 @@ def chunk_products(kh, w, u, C: int, R: int):
 
 
 @triton.jit
-def _chunk_fwd(KH, W, U, KL, PL, SUF, MB, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
-               R: tl.constexpr, PREC: tl.constexpr):
+def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+               PREC: tl.constexpr):
     """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
-    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r with
-    M_r = W_r^T U_r, which is stored for the attention kernels. S is kept per block for the
-    backward; PL = S at the end."""
+    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r. S is kept
+    per block for the backward; PL = S at the end."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
@@ -522,20 +525,18 @@ def _chunk_fwd(KH, W, U, KL, PL, SUF, MB, T, n_blocks, D: tl.constexpr, C: tl.co
             tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
             kh = tl.load(KH + cd).to(tl.float32)
             tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
-            mb = tl.dot(tl.trans(tl.load(W + cd)), tl.load(U + cd), input_precision=PREC)
-            tl.store(MB + (bh * n_blocks + m) * D * D + dd, mb)
-            s = s - tl.dot(s, mb, input_precision=PREC)
+            s = s - tl.dot(s, tl.load(MB + (bh * n_blocks + m) * D * D + dd), input_precision=PREC)
     tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + dd, s)
 
 
 @triton.jit
-def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DKO, DW, DU, T, n_blocks, D: tl.constexpr,
-               C: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
+def _chunk_bwd(KH, MB, SUF, DKL, DPL, DMA, DKH, DKO, DMO, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
+               R: tl.constexpr, PREC: tl.constexpr):
     """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
-    dP_r = S_r^T dS, then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. dS starts as dPL,
-    the sum of the shares in DPL that the chunk's R blocks hold. The attention kernels' own gradients
-    are added on the way: their dP_r (DPN holds -dP_r) before dW and dU are formed, their dkh (DKH)
-    to dkh, written to DKO."""
+    dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. dS
+    starts as dPL, the sum of the shares in DPL that the chunk's R blocks hold. The attention
+    kernels' own gradients are added on the way: their dM_r (DMA, = -dP_r) to dM, written to DMO,
+    their dkh (DKH) to dkh, written to DKO."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, C), tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
@@ -547,15 +548,11 @@ def _chunk_bwd(KH, W, U, SUF, DKL, DPL, DPN, DKH, DKO, DW, DU, T, n_blocks, D: t
         m = b * R + r
         if m < n_blocks:
             cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
-            s = tl.load(SUF + (bh * n_blocks + m) * D * D + dd)
-            w, u, dkl = tl.load(W + cd), tl.load(U + cd), tl.load(DKL + cd)
+            at = (bh * n_blocks + m) * D * D + dd
+            s, mb, dkl = tl.load(SUF + at), tl.load(MB + at), tl.load(DKL + cd)
             kh = tl.load(KH + cd).to(tl.float32)
-            dpn = tl.load(DPN + (bh * n_blocks + m) * D * D + dd)         # -dP_m of the attention kernels
-            dp = tl.dot(tl.trans(s), ds, input_precision=PREC) - dpn
-            # P = I - W^T U
-            tl.store(DW + cd, -tl.dot(u, tl.trans(dp), input_precision=PREC))
-            tl.store(DU + cd, -tl.dot(w, dp, input_precision=PREC))
-            ds = ds - tl.dot(tl.dot(ds, tl.trans(u), input_precision=PREC), w, input_precision=PREC)
+            tl.store(DMO + at, tl.load(DMA + at) - tl.dot(tl.trans(s), ds, input_precision=PREC))
+            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC)
             ds += tl.dot(tl.trans(dkl), kh, input_precision=PREC)
             dkh = tl.load(DKH + cd) + tl.dot(dkl, s, input_precision=PREC)
             tl.store(DKO + cd, dkh.to(DKO.dtype.element_ty))
@@ -568,31 +565,30 @@ def chunk_kernels_apply(D: int, dtype) -> bool:
     return dtype != torch.float32 and D in (32, 64)
 
 
-def chunk_products_fwd(kh, w, u, C: int, R: int, kl_dtype=torch.float32):
-    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL, the suffix products
-    S per block (kept for the backward) and M = W^T U per block (BH, n, D, D). kh: (BH, T, D)
-    float32 or 16 bits, w, u: float32."""
+def chunk_products_fwd(kh, mb, C: int, R: int, kl_dtype=torch.float32):
+    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix
+    products S per block (BH, n, D, D), kept for the backward. kh: (BH, T, D) float32 or 16 bits,
+    mb: float32."""
     BH, T, D = kh.shape
     n = T // C
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
     kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
-    suf, mb = torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
-    _chunk_fwd[(n_chunks, BH)](kh, w, u, kl, pl, suf, mb, T, n, D=D, C=C, R=R, PREC="tf32")
-    return kl, pl, suf, mb
+    suf = torch.empty(BH, n, D, D, **f32)
+    _chunk_fwd[(n_chunks, BH)](kh, mb, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
+    return kl, pl, suf
 
 
-def chunk_products_bwd(kh, w, u, suf, dkl, dpl, dpn, dkh, C: int, R: int):
-    """The gradients of kh, w, u through `chunk_products_fwd` for dkL and dPL, plus the attention
-    kernels' own: dpn = -dP per block (BH, n, D, D), and dkh (float32), to which the chunk's share is
+def chunk_products_bwd(kh, mb, suf, dkl, dpl, dmb, dkh, C: int, R: int):
+    """The gradients of kh and M through `chunk_products_fwd` for dkL and dPL, plus the attention
+    kernels' own: dmb per block (BH, n, D, D) and dkh (float32), to which the chunk's shares are
     added. dpl holds each block's share of dPL (BH, n, D, D): a chunk's R shares are summed here.
-    Returns (dkh in kh's dtype, dW, dU)."""
+    Returns (dkh in kh's dtype, dM)."""
     BH, T, D = kh.shape
     n = T // C
-    dko, dw, du = torch.empty_like(kh), torch.empty_like(w), torch.empty_like(u)
-    _chunk_bwd[(-(-n // R), BH)](kh, w, u, suf, dkl, dpl, dpn, dkh, dko, dw, du, T, n, D=D, C=C, R=R,
-                                 PREC="tf32")
-    return dko, dw, du
+    dko, dmo = torch.empty_like(kh), torch.empty_like(mb)
+    _chunk_bwd[(-(-n // R), BH)](kh, mb, suf, dkl, dpl, dmb, dkh, dko, dmo, T, n, D=D, C=C, R=R, PREC="tf32")
+    return dko, dmo
 
 
 def block_size(D: int) -> int:
@@ -603,20 +599,21 @@ def block_size(D: int) -> int:
 class PathScan(torch.autograd.Function):
     """o = attention over the block pairs, given the UT preprocessing (see the module docstring). It
     builds the chunk products itself, so that their backward can take in the attention kernels'
-    gradients of kh, W and U instead of autograd adding three (BH, T, D) tensors afterwards."""
+    gradients of kh and M instead of autograd adding them afterwards. The blocks' products come in
+    as M (P = I - M), not as W and U: w then reaches this function only through M, and its
+    gradient is formed once, in the UT backward."""
 
     @staticmethod
-    def forward(ctx, qh, kh, v, w, u, sd, G, scale, C, R):
+    def forward(ctx, qh, kh, v, mb, sd, G, scale, C, R):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             khc = kh                                         # kh as the chunk products take it (they
                                                              # upcast it for their float32 products)
-            kl, pl, suf, mb = chunk_products_fwd(kh, w, u, C, R, v.dtype)
+            kl, pl, suf = chunk_products_fwd(kh, mb, C, R, v.dtype)
         else:
             khc = kh.float()                                 # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
-                (kl, pl), suf = chunk_products(khc, w, u, C, R), None
-                mb = w.view(BH, T // C, C, D).mT @ u.view(BH, T // C, C, D)      # M = W^T U per block
+                (kl, pl), suf = chunk_products(khc, mb, C, R), None
             pl = pl.contiguous()
         DV = v.shape[-1]
         n = T // C
@@ -634,13 +631,13 @@ class PathScan(torch.autograd.Function):
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
                       SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, khc, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse)
+        ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.C, ctx.R, ctx.prec, ctx.qh_dtype = scale, C, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, khc, kh, kl, v, w, u, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
         scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -654,28 +651,25 @@ class PathScan(torch.autograd.Function):
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty(BH, T, C, **f32)
         dkh, dkl = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32)
-        dv, dpn, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
+        dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
                          **meta, **launch("dq", D))
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
-                          dpn, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
+                          dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
                           **launch("dkv", D))
         if suf is not None:                                  # Triton: the chunk backward sums it all
-            dkh, dw, du = chunk_products_bwd(khc, w, u, suf, dkl, dpl, dpn, dkh, C, R)
+            dkh, dmb = chunk_products_bwd(khc, mb, suf, dkl, dpl, dmb, dkh, C, R)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
-            wb, ub = w.view(BH, n, C, D), u.view(BH, n, C, D)
-            dw = (ub @ dpn.mT).view(BH, T, D)                # P = I - W^T U  =>  dW = -U dP^T
-            du = (wb @ dpn).view(BH, T, D)                   #                    dU = -W dP
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):
-                ins = [x.detach().requires_grad_(True) for x in (khc, w, u)]
+                ins = [x.detach().requires_grad_(True) for x in (khc, mb)]
                 grads = torch.autograd.grad(chunk_products(*ins, C, R), ins, (dkl, dpl))
-            dkh, dw, du = dkh + grads[0], dw + grads[1], du + grads[2]
+            dkh, dmb = dkh + grads[0], dmb + grads[1]
         dG = dgq + dgk if has_g else None
-        return dqh, dkh, dv, dw, du, dsd, dG, None, None, None
+        return dqh, dkh, dv, dmb, dsd, dG, None, None, None
 
 
 def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
@@ -700,8 +694,10 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     # products hit an illegal memory access on an H100 (Triton 3.6), so PyTorch as well.
     if q.dtype == torch.float32 or D < 32:
         qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, C))
+        with torch.autocast(q.device.type, enabled=False):  # M = W^T U per block, in float32
+            mb = w.view(B * H, Tp // C, C, D).mT @ u.view(B * H, Tp // C, C, D)
     else:                                                   # 16-bit inputs: fused, tensor-core products
-        qh, kh, u, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
-                                       scale, C)
-    o = PathScan.apply(qh, kh, flat(v), w, u, sd, G, scale, C, chunk)
+        qh, kh, mb, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
+                                        scale, C)
+    o = PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, C, chunk)
     return o.view(B, H, Tp, DV)[:, :, :T]

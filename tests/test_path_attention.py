@@ -156,8 +156,9 @@ def test_triton_matches_naive_fp16(T, D, block, chunk):
                           if not (GPU and C == 64 and dt == torch.float32)])
 def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
     """kernels.path_attention.UTBlocks (used for 16-bit inputs) against path_attention.ut_blocks in
-    float64: the four outputs and the gradients of q, k, w, beta for random upstream gradients. With
-    float32 inputs its products are exact float32; with fp16 they round their operands to fp16."""
+    float64: the four outputs (qh, kh, M = W^T U per block, sd) and the gradients of q, k, w, beta
+    for random upstream gradients. With float32 inputs its products are exact float32; with fp16
+    they round their operands to fp16 (M: TF32 on a GPU)."""
     from kernels.path_attention import UTBlocks
     q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + C)
     flat = lambda x: x.detach().reshape(3, T, -1).contiguous().requires_grad_(True)  # noqa: E731
@@ -166,10 +167,11 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
     ups = [torch.randn_like(o) for o in outs]
     got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
     ref = [x.detach().double().requires_grad_(True) for x in xs]
-    qh, kh, _, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, C)
-    want_outs = [x[0] for x in (qh, kh, u, sd)]
+    qh, kh, wb, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, C)
+    mb = wb[0].view(3, T // C, C, D).mT @ u[0].view(3, T // C, C, D)            # (3, T / C, D, D)
+    want_outs = [qh[0], kh[0], mb, sd[0]]
     want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
-    for name, a, b in zip(["qh", "kh", "u", "sd", "dq", "dk", "dw", "dbeta"], got, want):
+    for name, a, b in zip(["qh", "kh", "M", "sd", "dq", "dk", "dw", "dbeta"], got, want):
         err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 
@@ -177,32 +179,29 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 @pytest.mark.parametrize("T,D,C,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
-    float64: kL, PL, M = W^T U per block and the gradients of kh, w, u, with a short last chunk
+    float64: kL, PL and the gradients of kh and M (P = I - M per block), with a short last chunk
     (T = 112, R = 3) and one block per chunk. The backward takes dPL as one share per block and sums
-    each chunk's shares; it also takes in the attention kernels' own dP (as -dP) and dkh."""
+    each chunk's shares; it also takes in the attention kernels' own dM and dkh."""
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
-    w = 0.5 * F.normalize(torch.randn(3, T, D, generator=gen), dim=-1)
-    u = 0.1 * torch.randn(3, T, D, generator=gen)
     n = T // C
+    w = 0.5 * F.normalize(torch.randn(3, n, C, D, generator=gen), dim=-1)
+    mb = w.mT @ (0.1 * torch.randn(3, n, C, D, generator=gen))   # M = W^T U per block
     dkl, dkh0 = torch.randn(3, T, D, generator=gen), torch.randn(3, T, D, generator=gen)
     shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
     dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
-    dpn = torch.randn(3, n, D, D, generator=gen)                 # -dP of each block from elsewhere
-    kl, pl, suf, mb = chunk_products_fwd(*(x.to(DEV) for x in (kh, w, u)), C, R)
-    grads = chunk_products_bwd(*(x.to(DEV) for x in (kh, w, u)), suf, dkl.to(DEV), shares.to(DEV),
-                               dpn.to(DEV), dkh0.to(DEV), C, R)
-    ref = [x.double().requires_grad_(True) for x in (kh, w, u)]
+    dm0 = torch.randn(3, n, D, D, generator=gen)                 # dM of each block from elsewhere
+    kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), C, R)
+    grads = chunk_products_bwd(kh.to(DEV), mb.to(DEV), suf, dkl.to(DEV), shares.to(DEV), dm0.to(DEV),
+                               dkh0.to(DEV), C, R)
+    ref = [x.double().requires_grad_(True) for x in (kh, mb)]
     want_kl, want_pl = chunk_products(*ref, C, R)
     want = list(torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double())))
-    wb, ub = (x.double().view(3, n, C, D) for x in (w, u))
-    want[0] = want[0] + dkh0.double()
-    want[1] = want[1] + (ub @ dpn.double().mT).view(3, T, D)     # P = I - W^T U: dW = -U dP^T
-    want[2] = want[2] + (wb @ dpn.double()).view(3, T, D)        #                dU = -W dP
+    want[0], want[1] = want[0] + dkh0.double(), want[1] + dm0.double()
     tol = 1e-5 if not GPU else 5e-3            # TF32 products on a GPU; exact in the interpreter
-    got, want = [kl, pl, mb, *grads], [want_kl, want_pl, wb.mT @ ub, *want]   # M = W^T U per block
-    for name, a, b in zip(["kL", "PL", "M", "dkh", "dw", "du"], got, want):
+    got, want = [kl, pl, *grads], [want_kl, want_pl, *want]
+    for name, a, b in zip(["kL", "PL", "dkh", "dM"], got, want):
         err = (a.double().cpu() - b.detach()).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 

@@ -262,9 +262,13 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
 
 
 @triton.jit
-def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, T, n_blocks,
+def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, T, n_blocks,
              n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-             R: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+             R: tl.constexpr, HAS_G: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+             PREC16: tl.constexpr):
+    """Without FOLD it writes dK^ and dkL (float32, C x D per block); with FOLD (the Triton chunk
+    backward follows) it takes dkL through kL = kh S^T itself, with this block's suffix product S
+    (SUF): dK^ + dkL S in kh's dtype to DKH, and the gradient of S, dkL^T kh (D x D), to DKL."""
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
     tile = rc[:, None] * D + rd[None, :]
@@ -307,10 +311,14 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, DO, LSE, DELTA, DKH, DKL, DV_, DM
     for i in range(b * R + R + m % R, n_blocks, R):
         at = (bh * n_inter + _inter(i, R) + b) * C * D + tile
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
-    tl.store(DKH + col[:, None] * D + rd[None, :], dk)
-    tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
-    tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
+    if FOLD:
+        dk += tl.dot(dkl, _square(SUF, bh * n_blocks + m, rd, D), input_precision=PREC)
+        tl.store(DKL + dd, tl.dot(tl.trans(dkl), kh.to(tl.float32), input_precision=PREC))
+    else:
+        tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
+    tl.store(DKH + col[:, None] * D + rd[None, :], dk.to(DKH.dtype.element_ty))
+    tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
     tl.store(DM + dd, -dp_m)                                                  # dM = -dP (P = I - M)
     tl.store(DPL + dd, dpl)
     if HAS_G:
@@ -530,15 +538,14 @@ def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.constexp
 
 
 @triton.jit
-def _chunk_bwd(KH, MB, SUF, DKL, DPL, DMA, DKH, DKO, DMO, T, n_blocks, D: tl.constexpr, C: tl.constexpr,
-               R: tl.constexpr, PREC: tl.constexpr):
+def _chunk_bwd(MB, SUF, DSK, DPL, DMA, DMO, n_blocks, D: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
     """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
-    dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T + dkL_r^T kh_r, and dkh_r = dkL_r S_r. dS
-    starts as dPL, the sum of the shares in DPL that the chunk's R blocks hold. The attention
-    kernels' own gradients are added on the way: their dM_r (DMA, = -dP_r) to dM, written to DMO,
-    their dkh (DKH) to dkh, written to DKO."""
+    dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T + dkL_r^T kh_r. dS starts as dPL, the sum of
+    the shares in DPL that the chunk's R blocks hold. `_bwd_dkv` has done the rest, which needs one
+    block only: dkL_r^T kh_r (DSK) and dkh_r += dkL_r S_r. The attention kernels' own dM_r (DMA,
+    = -dP_r) is added on the way; dM goes to DMO."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    rd = tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
     ds = tl.zeros([D, D], dtype=tl.float32)                                  # (D, D)
     for r in range(0, R):
@@ -547,15 +554,10 @@ def _chunk_bwd(KH, MB, SUF, DKL, DPL, DMA, DKH, DKO, DMO, T, n_blocks, D: tl.con
     for r in range(0, R):
         m = b * R + r
         if m < n_blocks:
-            cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
             at = (bh * n_blocks + m) * D * D + dd
-            s, mb, dkl = tl.load(SUF + at), tl.load(MB + at), tl.load(DKL + cd)
-            kh = tl.load(KH + cd).to(tl.float32)
+            s, mb = tl.load(SUF + at), tl.load(MB + at)
             tl.store(DMO + at, tl.load(DMA + at) - tl.dot(tl.trans(s), ds, input_precision=PREC))
-            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC)
-            ds += tl.dot(tl.trans(dkl), kh, input_precision=PREC)
-            dkh = tl.load(DKH + cd) + tl.dot(dkl, s, input_precision=PREC)
-            tl.store(DKO + cd, dkh.to(DKO.dtype.element_ty))
+            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC) + tl.load(DSK + at)
 
 
 def chunk_kernels_apply(D: int, dtype) -> bool:
@@ -579,16 +581,15 @@ def chunk_products_fwd(kh, mb, C: int, R: int, kl_dtype=torch.float32):
     return kl, pl, suf
 
 
-def chunk_products_bwd(kh, mb, suf, dkl, dpl, dmb, dkh, C: int, R: int):
-    """The gradients of kh and M through `chunk_products_fwd` for dkL and dPL, plus the attention
-    kernels' own: dmb per block (BH, n, D, D) and dkh (float32), to which the chunk's shares are
-    added. dpl holds each block's share of dPL (BH, n, D, D): a chunk's R shares are summed here.
-    Returns (dkh in kh's dtype, dM)."""
-    BH, T, D = kh.shape
-    n = T // C
-    dko, dmo = torch.empty_like(kh), torch.empty_like(mb)
-    _chunk_bwd[(-(-n // R), BH)](kh, mb, suf, dkl, dpl, dmb, dkh, dko, dmo, T, n, D=D, C=C, R=R, PREC="tf32")
-    return dko, dmo
+def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
+    """The gradient of M through `chunk_products_fwd`, given per block (BH, n, D, D): dsk = dkL^T kh
+    (the gradient of S through kL = kh S^T), dpl, each block's share of dPL (a chunk's R shares are
+    summed here), and dmb, the attention kernels' own dM, to which the chunk's is added. kh's
+    gradient, dkL S, needs no chunk: `_bwd_dkv` adds it."""
+    BH, n, D, _ = mb.shape
+    dmo = torch.empty_like(mb)
+    _chunk_bwd[(-(-n // R), BH)](mb, suf, dsk, dpl, dmb, dmo, n, D=D, R=R, PREC="tf32")
+    return dmo
 
 
 def block_size(D: int) -> int:
@@ -607,8 +608,7 @@ class PathScan(torch.autograd.Function):
     def forward(ctx, qh, kh, v, mb, sd, G, scale, C, R):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
-            khc = kh                                         # kh as the chunk products take it (they
-                                                             # upcast it for their float32 products)
+            khc = None                                       # (their backward needs no kh)
             kl, pl, suf = chunk_products_fwd(kh, mb, C, R, v.dtype)
         else:
             khc = kh.float()                                 # float32, for the chunk products' backward
@@ -650,18 +650,20 @@ class PathScan(torch.autograd.Function):
         f32 = dict(device=v.device, dtype=torch.float32)
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty(BH, T, C, **f32)
-        dkh, dkl = torch.empty(BH, T, D, **f32), torch.empty(BH, T, D, **f32)
+        fold = suf is not None                               # the Triton chunk backward follows
+        dkh = torch.empty(BH, T, D, device=v.device, dtype=kh.dtype if fold else torch.float32)
+        dkl = torch.empty(BH, n, D, D, **f32) if fold else torch.empty(BH, T, D, **f32)   # see _bwd_dkv
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
                          **meta, **launch("dq", D))
-        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, do, lse, delta, dkh, dkl, dv,
-                          dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale, **meta,
-                          **launch("dkv", D))
-        if suf is not None:                                  # Triton: the chunk backward sums it all
-            dkh, dmb = chunk_products_bwd(khc, mb, suf, dkl, dpl, dmb, dkh, C, R)
+        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf if fold else mb, do, lse,
+                          delta, dkh, dkl, dv, dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale,
+                          FOLD=fold, **meta, **launch("dkv", D))
+        if fold:                                             # Triton: the chunk backward sums it all
+            dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):

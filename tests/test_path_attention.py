@@ -180,27 +180,28 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
 def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
     float64: kL, PL and the gradients of kh and M (P = I - M per block), with a short last chunk
-    (T = 112, R = 3) and one block per chunk. The backward takes dPL as one share per block and sums
-    each chunk's shares; it also takes in the attention kernels' own dM and dkh."""
+    (T = 112, R = 3) and one block per chunk. The backward takes dkL as dkL^T kh per block (kh's own
+    gradient, dkL S with the suffix products S that the forward returns, is left to the attention
+    kernel), dPL as one share per block, which it sums per chunk, and the attention kernels' dM."""
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
     n = T // C
     w = 0.5 * F.normalize(torch.randn(3, n, C, D, generator=gen), dim=-1)
     mb = w.mT @ (0.1 * torch.randn(3, n, C, D, generator=gen))   # M = W^T U per block
-    dkl, dkh0 = torch.randn(3, T, D, generator=gen), torch.randn(3, T, D, generator=gen)
+    dkl = torch.randn(3, T, D, generator=gen)
     shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
     dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
     dm0 = torch.randn(3, n, D, D, generator=gen)                 # dM of each block from elsewhere
     kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), C, R)
-    grads = chunk_products_bwd(kh.to(DEV), mb.to(DEV), suf, dkl.to(DEV), shares.to(DEV), dm0.to(DEV),
-                               dkh0.to(DEV), C, R)
+    dsk = dkl.view(3, n, C, D).mT @ kh.view(3, n, C, D)          # dkL^T kh per block
+    dm = chunk_products_bwd(mb.to(DEV), suf, dsk.to(DEV), shares.to(DEV), dm0.to(DEV), R)
+    dkh = (dkl.view(3, n, C, D).to(DEV) @ suf).view(3, T, D)     # what _bwd_dkv adds to kh's gradient
     ref = [x.double().requires_grad_(True) for x in (kh, mb)]
     want_kl, want_pl = chunk_products(*ref, C, R)
-    want = list(torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double())))
-    want[0], want[1] = want[0] + dkh0.double(), want[1] + dm0.double()
+    want_dkh, want_dm = torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double()))
     tol = 1e-5 if not GPU else 5e-3            # TF32 products on a GPU; exact in the interpreter
-    got, want = [kl, pl, *grads], [want_kl, want_pl, *want]
+    got, want = [kl, pl, dkh, dm], [want_kl, want_pl, want_dkh, want_dm + dm0.double()]
     for name, a, b in zip(["kL", "PL", "dkh", "dM"], got, want):
         err = (a.double().cpu() - b.detach()).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"

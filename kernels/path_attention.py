@@ -8,7 +8,7 @@ Then the attention kernels see, for blocks of C tokens,
 
     qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)     input dtype
     M:      the block products P_m = I - M_m, M_m = W_m^T U_m   (B*H, T/C, D, D) float32
-    sd:     the scaled logits inside each block                 (B*H, T, C)     float32
+    sd:     the scaled logits inside each block                 (B*H, T, C)     input dtype
     G:      the cumulative log forget gate (optional)           (B*H, T)        float32
 
 Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
@@ -126,7 +126,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
     if HAS_G:
         gq = tl.load(G + row) * 1.4426950408889634
     # 1. diagonal block: logits precomputed inside the block
-    s = tl.load(SD + row[:, None] * C + rc[None, :]) * 1.4426950408889634
+    s = tl.load(SD + row[:, None] * C + rc[None, :]).to(tl.float32) * 1.4426950408889634
     if HAS_G:
         s += gq[:, None] - gq[None, :]
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
@@ -202,14 +202,14 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
     tl.store(DELTA + row, delta)                                     # rowsum(dO * O), for _bwd_dkv
     gq = tl.load(G + row) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
     # diagonal block
-    s = tl.load(SD + row[:, None] * C + rc[None, :]) * 1.4426950408889634
+    s = tl.load(SD + row[:, None] * C + rc[None, :]).to(tl.float32) * 1.4426950408889634
     if HAS_G:
         s += gq[:, None] - gq[None, :]
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
     p = tl.exp2(s - lse[:, None])
     v = tl.load(V + row[:, None] * DV + rv[None, :])
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])  # dL/d(logit)
-    tl.store(DSD + row[:, None] * C + rc[None, :], ds)
+    tl.store(DSD + row[:, None] * C + rc[None, :], ds.to(DSD.dtype.element_ty))
     dg = tl.sum(ds, 1)
     x = tl.zeros([C, D], dtype=tl.float32)
     # the earlier chunks, left to right: X is stored before PL_b, then carried through it
@@ -278,7 +278,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
     gk = tl.load(G + col) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
     # diagonal block (query block m itself), transposed: only dV and the gate here; sd's gradient is
     # in _bwd_dq
-    st = tl.load(SD + col[None, :] * C + rc[:, None]) * 1.4426950408889634   # (keys, queries)
+    st = tl.load(SD + col[None, :] * C + rc[:, None]).to(tl.float32) * 1.4426950408889634   # (keys, queries)
     if HAS_G:
         st += gk[None, :] - gk[:, None]
     st = tl.where(rc[:, None] <= rc[None, :], st, float("-inf"))
@@ -329,7 +329,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
 # One program per (block, batch*head) holds the block's C x C matrices in registers: T^-1 (built in
 # 16 x 16 pieces, `_tril_inverse`), then a dozen C x C and C x D products; the backward recomputes
 # all but T^-1, which the forward stores. Measured at B*H = 256, T = 4096, D = 64, bf16 on an H100:
-# 1.5 ms forward, 1.3 ms backward (4.9 ms forward with one 63-step substitution on the whole 64 x 64
+# 1.5 ms forward, 1.25 ms backward (4.9 ms forward with one 63-step substitution on the whole 64 x 64
 # matrix, 2.7 ms backward with float32 operands in registers: they spilled); ut_blocks took 7.9 and
 # 24.8 ms in an earlier measurement.
 
@@ -408,7 +408,7 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, C: tl.con
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0).to(dt), LP, dt).to(dt)
     tl.store(QH + cd, (q - _mm(qw, u.to(dt), LP, dt)).to(QH.dtype.element_ty))
     tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
-    tl.store(SD + cc, scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt)))
+    tl.store(SD + cc, (scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt))).to(SD.dtype.element_ty))
     dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
     tl.store(MB + dd, _mm(tl.trans(w), u.to(dt), LP, dt))
 
@@ -467,14 +467,17 @@ class UTBlocks(torch.autograd.Function):
     """(qh, kh, M, sd) from q, k, w, beta of shapes (BH, T, D) and (BH, T), T a multiple of C; fused
     per block in Triton. qh, kh and sd are those of `path_attention.ut_blocks`, M = W^T U per block
     (BH, T / C, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
-    are rounded to it for the tensor cores later anyway), M and sd in float32."""
+    are rounded to it for the tensor cores later anyway), and so does sd: its gradient, which
+    autograd gives in sd's dtype, then costs half the memory traffic (the UT backward: 1.44 ->
+    1.25 ms at T = 4096 on an H100), and it is no less exact than the logits that the attention
+    kernels form from qh and kh. M is float32."""
 
     @staticmethod
     def forward(ctx, q, k, w, beta, scale, C):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
         qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // C, D, D, **f32)
-        sd, ti = torch.empty(BH, T, C, **f32), torch.empty(BH, T, C, **f32)
+        sd, ti = torch.empty(BH, T, C, device=q.device, dtype=q.dtype), torch.empty(BH, T, C, **f32)
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
         _ut_fwd[(T // C, BH)](q, k, w, beta, qh, kh, mb, sd, ti, scale, D=D, C=C, LP=lp, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)
@@ -488,7 +491,7 @@ class UTBlocks(torch.autograd.Function):
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((dqh, q), (dkh, k))]
         grads.append(torch.zeros(BH, T // ctx.C, D, D, **f32) if dmb is None else dmb.float().contiguous())
-        dsd = torch.zeros(BH, T, ctx.C, **f32) if dsd is None else dsd.float().contiguous()
+        dsd = torch.zeros(BH, T, ctx.C, device=q.device, dtype=q.dtype) if dsd is None else dsd.contiguous()
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
         _ut_bwd[(T // ctx.C, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, C=ctx.C,
@@ -649,7 +652,7 @@ class PathScan(torch.autograd.Function):
         has_g = G is not None
         f32 = dict(device=v.device, dtype=torch.float32)
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
-        dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty(BH, T, C, **f32)
+        dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty_like(sd)
         fold = suf is not None                               # the Triton chunk backward follows
         dkh = torch.empty(BH, T, D, device=v.device, dtype=kh.dtype if fold else torch.float32)
         dkl = torch.empty(BH, n, D, D, **f32) if fold else torch.empty(BH, T, D, **f32)   # see _bwd_dkv

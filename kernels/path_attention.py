@@ -36,9 +36,11 @@ memory), and
   `_bwd_dq`  (per query block, left to right) recomputes the softmax, writes X at each state,
              dQ^_i, the gradient of sd and the query side of dG;
   `_bwd_dkv` (per key block) accumulates dK^ (queries of its own chunk), dkL (later chunks), dV,
-             dP_m, its share of dPL_b and the key side of dG in registers: no atomics;
-  `_chunk_bwd` (per chunk) takes dkL and dPL back through the chunk products to kh and M, adding
-             the attention kernels' dK^ and dM = -dP; the UT backward takes dM on to W and U.
+             dP_m, its share of dPL_b and the key side of dG in registers: no atomics; with the
+             Triton chunk kernels it also takes dkL back through kL = kh S^T;
+  `_chunk_bwd` (per chunk) takes dPL and the gradients of the suffix products S back through the
+             chunk products to M, adding the attention kernels' dM = -dP; the UT backward takes dM
+             on to W and U.
 Tensors are padded to a multiple of C by the caller (zero w, beta = 0: H = I), so the kernels
 have no bounds checks. Logits are kept in base 2 (times log2 e) as in the Triton tutorial.
 """

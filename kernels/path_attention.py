@@ -15,9 +15,9 @@ Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `ch
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
-M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW). A query then needs the block products only
-inside its own chunk; further left it scores a whole chunk of keys with one state and carries that
-state once per chunk.
+M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW). A query
+then needs the block products only inside its own chunk; further left it scores a whole chunk of
+keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 

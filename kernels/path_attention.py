@@ -665,7 +665,8 @@ class PathScan(torch.autograd.Function):
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
                          **meta, **launch("dq", D))
-        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf if fold else mb, do, lse,
+        suf_arg = suf if fold else mb                        # _bwd_dkv reads SUF only with FOLD
+        _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,
                           delta, dkh, dkl, dv, dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale,
                           FOLD=fold, **meta, **launch("dkv", D))
         if fold:                                             # Triton: the chunk backward sums it all

@@ -158,7 +158,7 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
     """kernels.path_attention.UTBlocks (used for 16-bit inputs) against path_attention.ut_blocks in
     float64: the four outputs (qh, kh, M = W^T U per block, sd) and the gradients of q, k, w, beta
     for random upstream gradients. With float32 inputs its products are exact float32; with fp16
-    they round their operands to fp16 (M: TF32 on a GPU)."""
+    they round their operands to fp16 (M's too)."""
     from kernels.path_attention import UTBlocks
     q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + C)
     flat = lambda x: x.detach().reshape(3, T, -1).contiguous().requires_grad_(True)  # noqa: E731

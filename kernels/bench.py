@@ -3,10 +3,11 @@
     python kernels/bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
     python kernels/bench.py --op path --lengths 512,1024,2048
 
-For each sequence length T: milliseconds (triton.testing.do_bench, median) of the forward and of
-forward + backward, the ratio to SDPA from the same run, the peak memory of one forward + backward,
-and TFLOP/s counted with the FLOPs of plain causal attention for every column, so the numbers
-compare time on the same work:
+For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
+case slower than 5 s, like PRISM's naive loop) of the forward and of forward + backward, the
+ratio to SDPA from the same run, the peak memory of one forward + backward, and TFLOP/s counted
+with the FLOPs of plain causal attention for every column, so the numbers compare time on the same
+work:
 
     forward  = 2 matmuls (Q K^T, P V) x 2 FLOPs per multiply-add x B H T^2 D / 2 (causal half)
              = 2 B H T^2 D
@@ -27,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 
 DEVICE = "cuda"  # the tests build the cases on the CPU at tiny sizes
+SLOW_MS = 5000.0  # a case slower than this per call is timed from one call (PRISM's naive loop)
 
 
 def attention_flops(B, H, T, D, causal=True, backward=False):
@@ -51,9 +53,15 @@ def measure(fn, backward: bool):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     step()
+    end.record()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    once = start.elapsed_time(end)
+    if once > SLOW_MS:  # do_bench would call it ~8 more times (5 to estimate, warmup, repeats): minutes
+        return once, peak
     ms = triton.testing.do_bench(step, warmup=5, rep=40)
     return ms, peak
 

@@ -406,14 +406,14 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, C: tl.con
     # them to it anyway): half the registers
     q, k, w = tl.load(Q + cd), tl.load(K + cd), tl.load(W + cd).to(dt)
     a = (tl.load(TI + cc) * tl.load(BETA + row)[None, :]).to(dt)      # A = T^-1 diag(beta)
-    u = _mm(a, w, LP, dt)
+    u = _mm(a, w, LP, dt).to(dt)
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0).to(dt)
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0).to(dt), LP, dt).to(dt)
-    tl.store(QH + cd, (q - _mm(qw, u.to(dt), LP, dt)).to(QH.dtype.element_ty))
+    tl.store(QH + cd, (q - _mm(qw, u, LP, dt)).to(QH.dtype.element_ty))
     tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
     tl.store(SD + cc, (scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt))).to(SD.dtype.element_ty))
     dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
-    tl.store(MB + dd, _mm(tl.trans(w), u.to(dt), LP, dt))
+    tl.store(MB + dd, _mm(tl.trans(w), u, LP, dt))
 
 
 @triton.jit
@@ -440,7 +440,7 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: 
     dqw = tl.where(rc[:, None] >= rc[None, :], dqw, 0.0).to(dt)
     dq = dqh.to(tl.float32) + scale * _mm(dsd, k, LP, dt) + _mm(dqw, w, LP, dt)
     tl.store(DQ + cd, dq.to(DQ.dtype.element_ty))
-    dmb = tl.load(DMB + (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]).to(dt)
+    dmb = _square(DMB, bh * tl.num_programs(0) + blk, rd, D).to(dt)
     du = (_mm(w, dmb, LP, dt) - _mm(tl.trans(qw), dqh, LP, dt)).to(dt)
     # dW's first terms before df and in this order: with df first, or with the dM term first, Triton
     # 3.6 compiled them wrongly at D = 32 (dW off by 40 % and 9 % on an H100; the GPU tests catch it)

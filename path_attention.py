@@ -56,6 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import Method
+
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
 
@@ -311,8 +313,6 @@ class FoxAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, T, C))
 
 
-METHODS = {
-    "path": {"attention": PathAttention, "causal_only": True},
-    "path-fox": {"attention": functools.partial(PathAttention, forget_gate=True), "causal_only": True},
-    "fox": {"attention": FoxAttention, "causal_only": True},
-}
+PATH = Method(PathAttention, causal_only=True)
+PATH_FOX = Method(functools.partial(PathAttention, forget_gate=True), causal_only=True)
+FOX = Method(FoxAttention, causal_only=True)

@@ -44,6 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrizations import orthogonal
 
+from model import Hooks, Method, Model, ModelConfig, batch_context
+
 BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
 
 
@@ -217,7 +219,7 @@ class CopyHead(nn.Module):
         return torch.cat([to_bins, p[..., T:]], -1)                                         # (B, H, T, P + 1)
 
 
-class PrismHooks(nn.Module):
+class PrismHooks(Hooks):
     """Computes the position streams before the chosen blocks and leaves them in ctx for every
     following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d); ctx["prism_hist"] and
     ctx["prism_gates"] keep the histograms and gates for plots.
@@ -226,7 +228,7 @@ class PrismHooks(nn.Module):
     only increments (it holds the absolute position the copy jumps to), as in section 6.0.1."""
 
     def __init__(self, cfg):
-        super().__init__()
+        super().__init__(cfg)
         o = cfg.opts
         self.H, self.O = cfg.n_heads, int(o.get("prism_cursors", 4))
         self.P, self.d = int(o.get("prism_bins", 256)), int(o.get("prism_dim", 32))
@@ -238,9 +240,6 @@ class PrismHooks(nn.Module):
         self.copy = bool(o.get("prism_copy", False))
         self.copy_heads = nn.ModuleList(CopyHead(cfg.d_model, self.H) for _ in self.blocks) if self.copy else None
         self.register_buffer("table", sinusoid_table(self.P, self.d), persistent=False)
-
-    def embed(self, h, ctx):
-        return h
 
     def before_block(self, i, h, ctx):
         if i not in self.blocks:
@@ -320,7 +319,8 @@ def alpha_group(model, base_lr):
     return [{"params": alphas, "lr": 0.03, "betas": (0.8, 0.92), "weight_decay": 0.0}] if alphas else []
 
 
-METHODS = {"prism": {"attention": PrismAttention, "hooks": PrismHooks, "param_groups": alpha_group}}
+PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
+               options=("prism_cursors", "prism_bins", "prism_dim", "prism_blocks", "prism_copy", "prism_alpha"))
 
 
 # =============================================================================================
@@ -330,8 +330,8 @@ METHODS = {"prism": {"attention": PrismAttention, "hooks": PrismHooks, "param_gr
 def plot_run(run_dir, length: int | None = None) -> Path:
     """Cursor modes, gate probabilities and the first layer's attention on one example at an
     out-of-distribution length (default: twice the longest training length). Writes
-    <run>/prism_plots.png. The model and task come from train.py / tasks.py: this script entry is
-    the one place where a method file imports them (at call time, never at import time)."""
+    <run>/prism_plots.png. The task comes from tasks.py, imported at call time: the layer itself
+    does not need it."""
     import json
 
     import matplotlib
@@ -340,7 +340,6 @@ def plot_run(run_dir, length: int | None = None) -> Path:
     import numpy as np
 
     from tasks import TASKS
-    from train import Model, ModelConfig, batch_context
 
     run_dir = Path(run_dir)
     seeds = [run_dir] if (run_dir / "model.pt").exists() else sorted(run_dir.glob("seed*/"))
@@ -350,7 +349,7 @@ def plot_run(run_dir, length: int | None = None) -> Path:
     meta = json.loads((seed_dir / "metrics.json").read_text())
     if meta["method"] != "prism":
         raise ValueError(f"{seed_dir} is a {meta['method']!r} run, not prism")
-    model = Model(ModelConfig(**meta["config"]["model"]))
+    model = Model(ModelConfig(**meta["config"]["model"]), PRISM)
     model.load_state_dict(torch.load(seed_dir / "model.pt", map_location="cpu"))
     model.eval()
     task = TASKS[meta["task"]]

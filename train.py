@@ -1,28 +1,23 @@
-"""The shared tiny Transformer, the baseline position encodings, training, evaluation, plots, CLI.
+"""Training, evaluation, checkpoints, the method registry and the command line.
 
     python train.py --method rope --task flipflop          # one model, table + plot in runs/
     python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2
     python train.py --reproduce vipe-poly                  # a paper's headline experiment
 
-One run trains a pre-norm Transformer on data generated on the fly, evaluates exact-match and
-token accuracy at every test length in one teacher-forced pass per batch (for a causal model
-this equals greedy decoding, see `greedy_decode`), prints a table, and writes
+One run trains the shared Transformer of model.py on data generated on the fly, evaluates
+exact-match and token accuracy at every test length in one teacher-forced pass per batch (for a
+causal model this equals greedy decoding, see `greedy_decode`), prints a table, and writes
 runs/<task>/<method>/seed<S>/{metrics.json, model.pt}, a summary over seeds in
 runs/<task>/<method>/metrics.json, and runs/<task>/extrapolation.png overlaying every method run
-on the task. On a GPU the defaults follow the paper's setting (scaled to minutes); on a CPU a
-small preset shows the mechanics.
+on the task (experiments.py). On a GPU the defaults follow the paper's setting (scaled to
+minutes); on a CPU a small preset shows the mechanics.
 
-Position encodings here (baselines): nope, ape (sinusoidal, optional random shift), rope, alibi,
-t5 (bucketed relative bias), fire (learned MLP of the normalised log distance). The methods of
-the papers live in their own files and register themselves through their METHODS dict.
-
-Shapes: B batch, T time, C d_model, H heads, D head dim, V vocabulary.
+Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -34,262 +29,43 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+import path_attention
+import prism
+import upe
+import vipe
+from examples import relative_bias
+from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context
 from tasks import IGNORE, TASKS, Batch, Task, sample_mixed
 
-ALL_METHODS = ["nope", "ape", "rope", "alibi", "t5", "fire", "fox", "path", "path-fox", "vipe",
-               "rpe", "upe", "prism"]
-METHOD_FILES = ["path_attention", "vipe", "upe", "prism"]  # each may export METHODS
+# Every position encoding by name: one line each. A new encoding is a Method in its own file
+# (see examples/relative_bias.py) and one line here.
+METHODS: dict[str, Method] = {
+    "nope": baseline("nope"),
+    "ape": baseline("nope", hooks=SinusoidalAPE),
+    "rope": baseline("rope"),
+    "alibi": baseline("alibi"),
+    "t5": baseline("t5"),
+    "fire": baseline("fire"),
+    "fox": path_attention.FOX,
+    "path": path_attention.PATH,
+    "path-fox": path_attention.PATH_FOX,
+    "vipe": vipe.VIPE,
+    "rpe": upe.RPE,
+    "upe": upe.UPE,
+    "prism": prism.PRISM,
+    "relbias": relative_bias.RELBIAS,
+}
+
+
+def build_model(cfg: ModelConfig) -> Model:
+    """The model of a config, with the encoding named by cfg.method."""
+    return Model(cfg, METHODS[cfg.method])
 
 
 class UsageError(Exception):
     """Bad input: printed as one line by the CLI, which then exits with status 2."""
-
-
-# =============================================================================================
-# Model
-# =============================================================================================
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 16         # set from the task
-    d_model: int = 128           # residual width C
-    n_layers: int = 2            # Transformer blocks
-    n_heads: int = 4             # attention heads H (head dim D = C / H)
-    mlp_ratio: int = 4           # MLP hidden width = mlp_ratio * C
-    causal: bool = True          # decoder (True) or bidirectional encoder (False), set by the task
-    method: str = "nope"         # position encoding, a key of METHODS
-    tie_weights: bool = False    # share the token embedding with the output head
-    ape_shift: int = 0           # APE: random offset in [0, ape_shift] added to positions in training
-    t5_buckets: int = 32         # T5 bias: number of buckets
-    t5_max_distance: int = 128   # T5 bias: distances beyond this share the last bucket
-    fire_hidden: int = 32        # FIRE: hidden width of the bias MLP
-    rope_base: float = 10000.0   # RoPE: frequency base
-    opts: dict = field(default_factory=dict)  # options of methods defined in other files
-
-
-def attend(q, k, v, causal: bool, bias=None, key_mask=None):
-    """Softmax attention. q, k: (B, H, T, D); v: (B, H, T, Dv); bias: (H, T, T) added to the
-    logits; key_mask: (B, T) bool, True = attend. Uses SDPA's fused kernels when possible."""
-    if bias is None and key_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    T = q.shape[-2]
-    mask = torch.zeros(1, 1, T, T, device=q.device, dtype=q.dtype)  # (1, 1, T, T) additive
-    if bias is not None:
-        mask = mask + bias.to(q.dtype)[None]
-    if causal:
-        mask = mask.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
-    if key_mask is not None:
-        mask = mask.masked_fill(~key_mask[:, None, None, :], -math.inf)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def rotary(x, base: float):
-    """RoPE on the last dim of x: (B, H, T, D), rotating pairs (i, i + D/2) by angle t * base^(-2i/D)."""
-    T, D = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, D // 2, device=x.device, dtype=torch.float32) / (D // 2))
-    angle = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq  # (T, D/2)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-def relative_distance(T: int, device) -> torch.Tensor:
-    """(T, T) matrix of i - j (query i, key j)."""
-    pos = torch.arange(T, device=device)
-    return pos[:, None] - pos[None, :]
-
-
-class AlibiBias(nn.Module):
-    """ALiBi (Press et al. 2022): bias -m_h |i - j| with slopes m_h = 2^(-8h/H)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h = torch.arange(1, cfg.n_heads + 1, dtype=torch.float32)
-        self.register_buffer("slopes", 2.0 ** (-8.0 * h / cfg.n_heads), persistent=False)
-
-    def forward(self, T, device):
-        return -self.slopes[:, None, None] * relative_distance(T, device).abs()  # (H, T, T)
-
-
-class T5Bias(nn.Module):
-    """T5 relative bias (Raffel et al. 2020): a learned scalar per head and distance bucket; exact
-    buckets for small distances, logarithmic ones up to max_distance. Bidirectional models give
-    half of the buckets to each direction."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.causal, self.n, self.max_distance = cfg.causal, cfg.t5_buckets, cfg.t5_max_distance
-        self.bias = nn.Embedding(cfg.t5_buckets, cfg.n_heads)
-
-    def bucket(self, rel):
-        n, offset = self.n, 0
-        if not self.causal:
-            n //= 2
-            offset = (rel < 0).long() * n  # keys after the query get the upper half
-        d = rel.abs()
-        exact = n // 2
-        log_bucket = exact + (torch.log(d.float().clamp(min=1) / exact)
-                              / math.log(self.max_distance / exact) * (n - exact)).long()
-        return offset + torch.where(d < exact, d, log_bucket.clamp(max=n - 1))
-
-    def forward(self, T, device):
-        return self.bias(self.bucket(relative_distance(T, device))).permute(2, 0, 1)  # (H, T, T)
-
-
-class FireBias(nn.Module):
-    """FIRE (Li et al. 2024): b(i, j) = f(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f a
-    small MLP, c and L learned. For a bidirectional model the MLP also reads the sign of i - j."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(2, cfg.fire_hidden), nn.ReLU(), nn.Linear(cfg.fire_hidden, cfg.n_heads))
-        self.c = nn.Parameter(torch.tensor(1.0))
-        self.L = nn.Parameter(torch.tensor(16.0))
-
-    def forward(self, T, device):
-        rel = relative_distance(T, device).float()
-        c = F.softplus(self.c)
-        psi = lambda x: torch.log(c * x + 1)  # noqa: E731
-        i = torch.arange(T, device=device, dtype=torch.float32)[:, None]
-        x = psi(rel.abs()) / psi(torch.maximum(self.L.abs() + 1, i + 1))   # (T, T) in [0, 1]
-        feats = torch.stack([x, rel.sign()], dim=-1)                       # (T, T, 2)
-        return self.mlp(feats).permute(2, 0, 1)                            # (H, T, T)
-
-
-class Attention(nn.Module):
-    """Multi-head softmax attention with a baseline encoding: nope, rope, alibi, t5 or fire."""
-
-    BIASES = {"alibi": AlibiBias, "t5": T5Bias, "fire": FireBias}
-
-    def __init__(self, cfg: ModelConfig, encoding: str = "nope"):
-        super().__init__()
-        assert cfg.d_model % cfg.n_heads == 0, "d_model must be a multiple of n_heads"
-        self.cfg, self.encoding = cfg, encoding
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.bias = self.BIASES[encoding](cfg) if encoding in self.BIASES else None
-
-    def forward(self, x, ctx):
-        B, T, C = x.shape
-        H = self.cfg.n_heads
-        q, k, v = self.qkv(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        if self.encoding == "rope":
-            q, k = rotary(q, self.cfg.rope_base), rotary(k, self.cfg.rope_base)
-        bias = None if self.bias is None else self.bias(T, x.device)
-        o = attend(q, k, v, self.cfg.causal, bias, ctx.get("key_mask"))
-        return self.out(o.transpose(1, 2).reshape(B, T, C))                  # (B, T, C)
-
-
-class SinusoidalAPE(nn.Module):
-    """Absolute sinusoidal positions added to the token embeddings (Vaswani et al. 2017). With
-    ape_shift > 0 every training sequence gets a random offset in [0, ape_shift] (randomised
-    APE, PRISM's baseline), so positions beyond the training length are seen in training."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-
-    def embed(self, h, ctx):
-        B, T, C = h.shape
-        offset = torch.zeros(B, 1, device=h.device)
-        if self.training and self.cfg.ape_shift > 0:
-            offset = torch.randint(0, self.cfg.ape_shift + 1, (B, 1), device=h.device).float()
-        pos = torch.arange(T, device=h.device, dtype=torch.float32)[None] + offset      # (B, T)
-        inv_freq = 10000.0 ** (-torch.arange(0, C, 2, device=h.device, dtype=torch.float32) / C)
-        angle = pos[..., None] * inv_freq                                             # (B, T, C/2)
-        pe = torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(-2)[..., :C]     # (B, T, C)
-        return h + pe.to(h.dtype)
-
-    def before_block(self, i, h, ctx):
-        pass
-
-
-@dataclass
-class Method:
-    attention: type                # layer class: __init__(cfg), forward(x, ctx)
-    hooks: type | None = None      # optional module with embed(h, ctx) and before_block(i, h, ctx)
-    param_groups: object = None    # optional fn(model, base_lr) -> list of extra optimiser groups
-    causal_only: bool = False      # the layer cannot run as a bidirectional encoder
-
-
-def _baseline(encoding):
-    return lambda cfg: Attention(cfg, encoding)
-
-
-METHODS: dict[str, Method] = {
-    "nope": Method(_baseline("nope")),
-    "ape": Method(_baseline("nope"), hooks=SinusoidalAPE),
-    "rope": Method(_baseline("rope")),
-    "alibi": Method(_baseline("alibi")),
-    "t5": Method(_baseline("t5")),
-    "fire": Method(_baseline("fire")),
-}
-for _name in METHOD_FILES:
-    try:
-        _module = importlib.import_module(_name)
-    except ModuleNotFoundError as e:
-        if e.name != _name:
-            raise
-        continue
-    for _key, _spec in getattr(_module, "METHODS", {}).items():
-        METHODS[_key] = _spec if isinstance(_spec, Method) else Method(**_spec)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn = attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(),
-                                 nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model))
-
-    def forward(self, h, ctx):
-        h = h + self.attn(self.norm1(h), ctx)
-        return h + self.mlp(self.norm2(h))
-
-
-class Model(nn.Module):
-    """Pre-norm Transformer: embedding -> blocks -> norm -> linear head, with two generic hooks
-    for encodings that act outside one attention call (embedding, before block i)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        method = METHODS[cfg.method]
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.hooks = method.hooks(cfg) if method.hooks else None
-        self.blocks = nn.ModuleList(Block(cfg, method.attention) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            self.head.weight = self.embed.weight
-
-    def forward(self, x, ctx=None):
-        """x: (B, T) token ids -> logits (B, T, V). ctx: key_mask, slot, s, ... (see SPEC §4)."""
-        ctx = dict(ctx or {})
-        ctx.setdefault("tokens", x)
-        h = self.embed(x)                                       # (B, T, C)
-        if self.hooks is not None:
-            h = self.hooks.embed(h, ctx)
-        for i, block in enumerate(self.blocks):
-            if self.hooks is not None:
-                self.hooks.before_block(i, h, ctx)
-            h = block(h, ctx)
-        return self.head(self.norm(h))
-
-
-def batch_context(task: Task, batch: Batch, device, s: float = 1.0) -> dict:
-    """What the attention layers may read beyond x (SPEC §4)."""
-    ctx = {"s": s}
-    if batch.slot is not None:
-        ctx["slot"] = batch.slot.to(device)
-        ctx["slot_max"] = int(batch.slot.max())         # read before the copy: UPE checks it (upe.py)
-    if not task.causal and (batch.x == task.pad_id).any():
-        ctx["key_mask"] = (batch.x != task.pad_id).to(device)
-    return ctx
 
 
 # =============================================================================================
@@ -471,6 +247,10 @@ def validate(cfg: TrainConfig) -> Task:
         task.check_opts(cfg.task_opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
+    if unknown:
+        valid = ", ".join(METHODS[cfg.method].options) or "none"
+        raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid}")
     if METHODS[cfg.method].causal_only and not task.causal:
         raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
@@ -491,13 +271,8 @@ def validate(cfg: TrainConfig) -> Task:
 
 
 def check_method(method: str):
-    if method in METHODS:
-        return
-    available = ", ".join(METHODS)
-    if method in ALL_METHODS:
-        raise UsageError(f"method {method!r} is not implemented in this checkout yet; "
-                         f"available methods: {available}")
-    raise UsageError(f"unknown method {method!r}; available methods: {available}")
+    if method not in METHODS:
+        raise UsageError(f"unknown method {method!r}; available methods: {', '.join(METHODS)}")
 
 
 def git_hash() -> str:
@@ -566,7 +341,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     test_lengths = cfg.test_lengths or task.test_lengths
 
     torch.manual_seed(cfg.seed)
-    model = Model(cfg.model).to(device)
+    model = build_model(cfg.model).to(device)
     method = METHODS[cfg.method]
     groups = method.param_groups(model, cfg.lr) if method.param_groups else []
     grouped = {id(p) for g in groups for p in g["params"]}
@@ -673,7 +448,7 @@ def device_name(device: str) -> str:
 
 
 # =============================================================================================
-# Reporting: tables, summaries over seeds, plots
+# Reporting one run
 # =============================================================================================
 
 def summary_line(rows, train_max) -> str:
@@ -706,237 +481,6 @@ def results_table(rows, train_max) -> str:
     return "\n".join(lines)
 
 
-def summarize(method_dir: Path) -> dict | None:
-    """Combine every seed's metrics in runs/<task>/<method>/seed*/ into <method>/metrics.json:
-    per evaluation point the mean, min and max over seeds, and the best seed (highest mean
-    accuracy beyond the training length among seeds whose in-distribution accuracy >= 0.85)."""
-    seeds = []
-    for p in sorted(method_dir.glob("seed*/metrics.json")):
-        try:
-            seeds.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    if not seeds:
-        return None
-    names = [r["name"] for r in seeds[0]["eval"]]
-    points = []
-    for i, name in enumerate(names):
-        ex = [m["eval"][i]["exact"] for m in seeds if len(m["eval"]) > i]
-        tok = [m["eval"][i]["token"] for m in seeds if len(m["eval"]) > i]
-        r = seeds[0]["eval"][i]
-        points.append({"name": name, "length": r["length"], "variant": r["variant"],
-                       "exact": float(np.mean(ex)), "exact_min": min(ex), "exact_max": max(ex),
-                       "token": float(np.mean(tok)), "token_min": min(tok), "token_max": max(tok)})
-    train_max = seeds[0]["train_max_length"]
-
-    def ood(m):
-        rs = [r["exact"] for r in m["eval"] if r["length"] > train_max] or [r["exact"] for r in m["eval"]]
-        return float(np.mean(rs))
-    eligible = [m for m in seeds if (m["train_exact"] or 0) >= 0.85] or seeds
-    best = max(eligible, key=ood)
-    summary = {"task": seeds[0]["task"], "method": seeds[0]["method"], "label": method_dir.name,
-               "seeds": [m["seed"] for m in seeds], "train_max_length": train_max,
-               "device": seeds[0]["device"], "wall_s": [m["wall_s"] for m in seeds],
-               "eval": points, "best_seed": best["seed"], "best_eval": best["eval"]}
-    save_atomic(summary, method_dir / "metrics.json")
-    return summary
-
-
-def plot_task(task_dir: Path) -> Path | None:
-    """runs/<task>/extrapolation.png: every method run on the task; mean over seeds with the
-    min-max spread; a dashed line at the maximum training length."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summaries = []
-    for d in sorted(task_dir.iterdir()):
-        if d.is_dir() and (d / "metrics.json").exists():
-            summaries.append(json.loads((d / "metrics.json").read_text()))
-    if not summaries:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    if len(summaries) > 10:  # the default cycle repeats after 10 colours
-        ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    task = summaries[0]["task"]
-    title = f"{task}: length extrapolation"
-    if summaries[0]["eval"][0]["variant"]:  # flip-flop: error % per evaluation setting
-        names = [p["name"] for p in summaries[0]["eval"]]
-        width = 0.8 / len(summaries)
-        for k, s in enumerate(summaries):
-            err = [100 * (1 - p["token"]) for p in s["eval"]]
-            lo = [100 * (1 - p["token_max"]) for p in s["eval"]]
-            hi = [100 * (1 - p["token_min"]) for p in s["eval"]]
-            xs = np.arange(len(names)) + k * width
-            bars = ax.bar(xs, err, width, label=f"{s['label']} ({len(s['seeds'])} seeds)",
-                          yerr=[np.subtract(err, lo), np.subtract(hi, err)])
-            for x, e in zip(xs, err):
-                if e == 0:  # an empty bar is easy to miss: say it is zero
-                    ax.text(x, 0.005, "0", ha="center", va="bottom", color=bars.patches[0].get_facecolor())
-        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
-        ax.set_ylabel("error % at read bits (lower is better)")
-        ax.set_yscale("symlog", linthresh=0.1)
-        ax.set_ylim(0, 100)
-        title = f"{task}: error by evaluation setting"
-    else:
-        for s in summaries:
-            xs = [p["length"] for p in s["eval"]]
-            line, = ax.plot(xs, [p["exact"] for p in s["eval"]], marker=".", label=f"{s['label']} ({len(s['seeds'])} seeds)")
-            ax.fill_between(xs, [p["exact_min"] for p in s["eval"]], [p["exact_max"] for p in s["eval"]],
-                            color=line.get_color(), alpha=0.15)
-        ax.axvline(summaries[0]["train_max_length"], color="gray", linestyle="--", label="max train length")
-        ax.set_xlabel("problem length")
-        ax.set_ylabel("exact-match accuracy")
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = task_dir / "extrapolation.png"
-    tmp = task_dir / "extrapolation.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
-
-
-# =============================================================================================
-# Headline experiments
-# =============================================================================================
-
-@dataclass
-class Experiment:
-    claim: str                   # the paper's result in words
-    runs: list                   # dicts: task, method, optional tag and TrainConfig/ModelConfig overrides
-    columns: list                # (label, selector, metric): selector = variant name or (lo, hi) lengths
-    paper: dict                  # run label -> the paper's number per column (strings)
-    scaled: str                  # what was scaled down from the paper to fit minutes
-    seeds: list = field(default_factory=lambda: [0])
-    sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
-                                 # each run's tag (e.g. L2 -> 2), one line per method
-
-
-VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
-
-
-def _vipe_experiment(task: str) -> Experiment:
-    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, one seed."""
-    return Experiment(
-        claim=f"{task}: train L=1..16, test 17..48, 1 head, d=128, 2 and 3 layers: ViPE keeps high accuracy "
-              "to about 2x the training length while the other encodings collapse (paper Fig. 6 and 12)",
-        runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n) for n in (2, 3) for m in VIPE_METHODS],
-        columns=[("1-16", (1, 16), "exact"), ("17-24", (17, 24), "exact"), ("25-32", (25, 32), "exact"),
-                 ("33-48", (33, 48), "exact")],
-        paper={**{f"{m}-L{n}": ["≥ 0.85 (selection rule)", "collapses", "collapses", "collapses"]
-                  for m in VIPE_METHODS[:-1] for n in (2, 3)},
-               **{f"vipe-L{n}": ["≥ 0.85 (selection rule)", "high", "high (to ~2x)", "falls"] for n in (2, 3)}},
-        scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps); "
-               "one seed (the paper: best of 8 with in-distribution accuracy >= 0.85; add seeds with --seeds "
-               "on single runs); one task per experiment so that each fits in about ten minutes")
-
-
-EXPERIMENTS: dict[str, Experiment] = {
-    "path-flipflop": Experiment(
-        claim="Flip-flop LM, 1 layer, 2 heads, d=64: error % ID / sparse / dense",
-        runs=[dict(task="flipflop", method=m, steps=5000) for m in ("rope", "fox", "path")],
-        columns=[("ID err %", "ID", "error"), ("sparse err %", "sparse", "error"), ("dense err %", "dense", "error")],
-        paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
-        scaled="5k steps x 64 sequences for every method (the paper does not state its budget); 256 eval "
-               "sequences per setting, so the smallest measurable non-zero error is ~0.03 %",
-        seeds=[0, 1, 2]),
-    "path-a5": Experiment(
-        claim="A5 word problem, sequences of 20: PaTH needs fewer layers than RoPE to solve it "
-              "(solved = accuracy above 90 %; the paper: PaTH 2 layers, the others 4)",
-        runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=5000)
-              for n in (2, 4) for m in ("rope", "path")],
-        columns=[("length 20 token acc", (20, 20), "token"), ("length 20 exact", (20, 20), "exact"),
-                 ("length 40 token acc", (40, 40), "token")],
-        paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
-        scaled="2 and 4 layers only, 5k steps x 128 sequences of length 20, d=256, 4 heads, one seed per depth (a first "
-               "try with 1-4 layers at 2k steps learned nothing beyond the first two positions for either method)",
-        sweep=("layers", 0)),
-    "path-mqrar": Experiment(
-        claim="Multi-query repeated associative recall with N-back (MQRAR-N), 2 layers, d=256, 2 heads: "
-              "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
-        runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=2000)
-              for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
-        columns=[("token acc", (384, 384), "token")],
-        paper={},
-        scaled="2k steps x 64 sequences of 384 assignments, one seed per setting (the paper trains to convergence)",
-        sweep=("N (n-back)", 0)),
-    "vipe-poly": _vipe_experiment("polynomial"),
-    "vipe-parity": _vipe_experiment("parity"),
-    "vipe-binary-copy": _vipe_experiment("binary_copy"),
-    "vipe-scan": Experiment(
-        claim="SCAN length split, 6 layers, 4 heads, d=256: exact match on the test split (paper Table 2)",
-        runs=[dict(task="scan", method=m) for m in ("ape", "rope", "nope", "vipe")],
-        columns=[("train lengths (<= 22 actions)", (1, 22), "exact"), ("unseen lengths (24-48)", (24, 48), "exact")],
-        paper={"ape": ["", "0.000"], "rope": ["", "0.021"], "nope": ["", "0.132"], "vipe": ["", "0.150"]},
-        scaled="6k steps x 128 commands; our columns average the exact match over the action counts of each "
-               "range, the paper reports one number over the test split's commands"),
-    "prism-copy": Experiment(
-        claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
-              "APE with a random position shift fails (paper Fig. 3)",
-        runs=[dict(task="copy", method="prism", curriculum=True),
-              dict(task="copy", method="ape", ape_shift=100, curriculum=True)],
-        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-50", (21, 50), "exact"),
-                 ("51-100", (51, 100), "exact")],
-        paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
-        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100) with the "
-               "curriculum compressed into the first half of the steps"),
-    "prism-add": Experiment(
-        claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
-              "20-30 digits, APE fails (paper Fig. 4)",
-        runs=[dict(task="add_cot", method="prism", curriculum=True),
-              dict(task="add_cot", method="ape", ape_shift=100, curriculum=True)],
-        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
-        paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
-        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100)"),
-    "prism-more": Experiment(
-        claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
-              "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
-        runs=[dict(task="reverse", method="prism", curriculum=True, opts={"prism_bins": 512}),
-              dict(task="odds_first", method="prism", curriculum=True, n_layers=4,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
-              dict(task="stack", method="prism", curriculum=True, n_layers=4,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
-              dict(task="dyn_str_cpy", method="prism", curriculum=True, opts={"prism_copy": True}),
-              dict(task="mul_cot", method="prism", curriculum=True),
-              dict(task="scan_cot", method="prism")],
-        columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
-        paper={},
-        scaled="the GPU preset per task (3k steps; the paper: 150k); PRISM only (the figures' baselines are "
-               "the other experiments' APE runs); odds_first and stack recompute positions before blocks 1 and 4; "
-               "dyn_str_cpy uses the copy branch"),
-    "upe-add": Experiment(
-        claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
-              "RPE generalises (UPE paper section 3)",
-        runs=[dict(task="add_padded", method=m) for m in ("ape", "rpe")],
-        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
-                 ("k=16-20", (16, 20), "exact")],
-        paper={"ape": ["", "fails", "fails", "fails"], "rpe": ["", "generalises", "generalises", "generalises"]},
-        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64"),
-    "upe-mul": Experiment(
-        claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
-              "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
-        runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d})
-              for d in (1, 3) for m in ("ape", "rpe", "upe")],
-        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
-                 ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
-        paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
-               "ape-m3": ["", "fails", "fails", "fails", "fails"]},
-        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64, "
-               "3 uniform slots"),
-}
-
-
-def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str) -> list[TrainConfig]:
-    cfgs = []
-    for run in exp.runs:
-        for seed in exp.seeds:
-            cfgs.append(make_config({**run, "seed": seed, "device": device, "out": out}, preset_name))
-    return cfgs
-
-
 def make_config(values: dict, preset_name: str) -> TrainConfig:
     """TrainConfig from a preset, overridden by `values` (TrainConfig or ModelConfig fields)."""
     merged = {**preset(preset_name, values["task"]), **{k: v for k, v in values.items() if v is not None}}
@@ -950,96 +494,6 @@ def make_config(values: dict, preset_name: str) -> TrainConfig:
     cfg = TrainConfig(**{k: v for k, v in merged.items() if k in train_fields and k != "model"}, model=model)
     cfg.preset = preset_name
     return cfg
-
-
-def experiment_table(name: str, exp: Experiment, out: Path) -> str:
-    """Markdown table "paper vs this repo" from the summaries written by the runs."""
-    lines = [f"### {name}", "", exp.claim, "", f"Scaled: {exp.scaled}", ""]
-    head = [c[0] for c in exp.columns]
-    lines += ["| run | source | " + " | ".join(head) + " | seeds | device | wall |",
-              "| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- | --- |"]
-    seen = []
-    for run in exp.runs:
-        label = run["method"] + (f"-{run['tag']}" if run.get("tag") else "")
-        key = (run["task"], label)
-        if key in seen:
-            continue
-        seen.append(key)
-        if label in exp.paper:
-            lines.append(f"| {run['task']}/{label} | paper | " + " | ".join(exp.paper[label]) + " | | | |")
-        path = out / run["task"] / label / "metrics.json"
-        if not path.exists():
-            lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
-            continue
-        s = json.loads(path.read_text())
-        cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
-        lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join(cells)
-                     + f" | {len(s['seeds'])} | {s['device']} | {fmt_time(float(np.mean(s['wall_s'])))} |")
-    return "\n".join(lines)
-
-
-def column_numbers(summary: dict, selector, metric: str):
-    """(mean, lo, hi) over seeds of one column, or None; flip-flop errors in percent. selector:
-    a variant name, a (lo, hi) length range, or "train" / "beyond" (up to / past the training length)."""
-    if selector in ("train", "beyond"):
-        top = summary["train_max_length"]
-        pts = [p for p in summary["eval"] if (p["length"] <= top) == (selector == "train")]
-    elif isinstance(selector, str):
-        pts = [p for p in summary["eval"] if p["name"] == selector]
-    else:
-        pts = [p for p in summary["eval"] if selector[0] <= p["length"] <= selector[1]]
-    if not pts:
-        return None
-    if metric == "error":
-        f = lambda key: 100 * (1 - np.mean([p[key] for p in pts]))  # noqa: E731
-        return f("token"), f("token_max"), f("token_min")
-    f = lambda key: float(np.mean([p[key] for p in pts]))  # noqa: E731
-    return f(metric), f(metric + "_min"), f(metric + "_max")
-
-
-def column_value(summary: dict, selector, metric: str) -> str:
-    """Mean over seeds (min-max) of one column, as text."""
-    nums = column_numbers(summary, selector, metric)
-    if nums is None:
-        return "-"
-    return f"{nums[0]:.2f} ({nums[1]:.2f}-{nums[2]:.2f})" if metric == "error" else \
-        f"{nums[0]:.3f} ({nums[1]:.2f}-{nums[2]:.2f})"
-
-
-def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
-    """One column of an experiment against the number in each run's tag, one line per method."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xlabel, col = exp.sweep
-    label, selector, metric = exp.columns[col]
-    lines: dict[str, list] = {}
-    for run in exp.runs:
-        path = out / run["task"] / f"{run['method']}-{run['tag']}" / "metrics.json"
-        nums = column_numbers(json.loads(path.read_text()), selector, metric) if path.exists() else None
-        if nums is not None:
-            lines.setdefault(run["method"], []).append((int("".join(filter(str.isdigit, run["tag"]))), *nums))
-    if not lines:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for method, pts in lines.items():
-        pts.sort()
-        x, y, lo, hi = zip(*pts)
-        ax.plot(x, y, marker="o", label=method)
-        ax.fill_between(x, lo, hi, alpha=0.15)
-    ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(label)
-    ax.set_title(f"{name} ({exp.runs[0]['task']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = out / "reproduce" / f"{name}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 # =============================================================================================
@@ -1080,10 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
-    g.add_argument("--method", help=f"one of: {', '.join(ALL_METHODS)}")
+    g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
     g.add_argument("--methods", help="several methods, comma-separated")
     g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    g.add_argument("--reproduce", metavar="NAME", help=f"a headline experiment: {', '.join(EXPERIMENTS)} or all")
+    g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present")
     g.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
@@ -1133,8 +587,9 @@ def main(argv=None) -> int:
 def run_cli(args) -> int:
     device = resolve_device(args.device)
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
+    import experiments   # imports this module: at call time, so that the import runs one way
     if args.reproduce:
-        return reproduce(args, device, preset_name)
+        return experiments.reproduce(args, device, preset_name)
     methods = parse_list(args.methods) or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -1156,46 +611,11 @@ def run_cli(args) -> int:
               "(run on a GPU for the paper's setting).")
     for cfg in cfgs:
         train(cfg, resume=args.resume)
-        summarize(cfg.run_dir().parent)
-    plot = plot_task(Path(args.out) / args.task)
+        experiments.summarize(cfg.run_dir().parent)
+    plot = experiments.plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
     return 0
 
 
-def reproduce(args, device: str, preset_name: str) -> int:
-    names = list(EXPERIMENTS) if args.reproduce == "all" else [args.reproduce]
-    for name in names:
-        if name not in EXPERIMENTS:
-            raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
-    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name) for name in names}
-    for cfgs in plans.values():
-        for cfg in cfgs:
-            validate(cfg)
-    if preset_name == "cpu":
-        print("Using the small CPU preset: the table will not show the paper's numbers.")
-    out = Path(args.out)
-    tables = []
-    for name, cfgs in plans.items():
-        print(f"== {name}: {len(cfgs)} runs")
-        for cfg in cfgs:
-            if (cfg.run_dir() / "metrics.json").exists() and not args.force:
-                print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
-            else:
-                train(cfg)
-            summarize(cfg.run_dir().parent)
-        for task in sorted({c.task for c in cfgs}):
-            plot_task(out / task)
-        table = experiment_table(name, EXPERIMENTS[name], out)
-        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
-        if EXPERIMENTS[name].sweep:
-            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
-        print(table)
-        tables.append(table)
-    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
-        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
-        print(f"wrote {out / 'reproduce' / 'all.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":   # run the CLI of the module `train`, the one experiments.py imports
+    sys.exit(__import__("train").main())

@@ -42,6 +42,8 @@ import warnings
 import torch
 import torch.nn as nn
 
+from model import Method
+
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
 
@@ -173,4 +175,5 @@ class UPEAttention(RPEAttention):
         super().__init__(cfg, uniform=True)
 
 
-METHODS = {"rpe": {"attention": RPEAttention}, "upe": {"attention": UPEAttention}}
+RPE = Method(RPEAttention, options=("rpe_clip",))
+UPE = Method(UPEAttention, options=("rpe_clip", "upe_slots"))

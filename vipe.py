@@ -51,6 +51,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import Method
+
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
 
@@ -183,4 +185,4 @@ class ViPEAttention(nn.Module):
         return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
-METHODS = {"vipe": {"attention": ViPEAttention, "causal_only": True}}
+VIPE = Method(ViPEAttention, causal_only=True, options=("vipe_mode", "vipe_dp"))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import path_attention as pa
 from path_attention import (FoxAttention, PathAttention, path_attention, path_attention_naive,
                             path_attention_torch, path_decode_step)
-from train import ModelConfig
+from model import ModelConfig
 
 triton = pytest.importorskip("triton")
 from kernels.path_attention import path_attention_triton  # noqa: E402

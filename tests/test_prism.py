@@ -172,9 +172,9 @@ def test_naive_backend_switch(monkeypatch):
 
 import math  # noqa: E402
 
-from prism import (PrismAttention, PrismHooks, alpha_group, normalise, position_scores,  # noqa: E402
+from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, normalise, position_scores,  # noqa: E402
                    sinusoid_table, superpose)
-from train import Model, ModelConfig  # noqa: E402
+from model import Model, ModelConfig  # noqa: E402
 
 
 def test_superposition_of_a_one_hot_histogram_is_the_table_row():
@@ -258,7 +258,7 @@ def test_alpha_starts_at_eight_unless_asked():
 
 
 def test_alpha_gets_its_own_optimiser_group():
-    model = Model(prism_cfg())
+    model = Model(prism_cfg(), PRISM)
     (group,) = alpha_group(model, 1e-3)
     assert group["lr"] == 0.03 and group["betas"] == (0.8, 0.92) and len(group["params"]) == 2   # one per layer
 

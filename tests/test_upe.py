@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import upe
 from tasks import TASKS
-from train import ModelConfig, main
+from model import ModelConfig
+from train import main
 from upe import RPEAttention, UPEAttention, upe_attention, upe_attention_naive, upe_logits
 
 triton = pytest.importorskip("triton")
@@ -283,7 +284,7 @@ def test_layer_checks_the_batch_slots():
     """A 3-digit multiplier has slots 0-2: a model with 2 uniform vectors must refuse it. The layer
     reads the largest slot from ctx (taken on the CPU by batch_context, no device sync)."""
     import numpy as np
-    from train import batch_context
+    from model import batch_context
     task = TASKS["mul_padded"]
     batch = task.sample(4, 5, np.random.default_rng(0), multiplier_digits=3)
     ctx = batch_context(task, batch, "cpu")

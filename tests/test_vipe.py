@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import vipe
-from train import ModelConfig, main
+from model import ModelConfig
+from train import main
 from vipe import ViPEAttention, vipe_attention, vipe_attention_naive
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

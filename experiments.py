@@ -1,0 +1,381 @@
+"""Several runs together: summaries over seeds, the extrapolation figure per task, and the
+headline experiments of the four papers with their "paper vs this repo" tables.
+
+    python train.py --reproduce path-flipflop     # hands over to reproduce() here
+    python train.py --reproduce all               # every experiment, and runs/reproduce/all.md
+
+An `Experiment` records the paper's setting, what was scaled down to fit minutes, the paper's
+numbers and the columns of its table. `reproduce` trains every run that is not present yet,
+summarises each method over its seeds, redraws the task figures and writes
+runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from train import TrainConfig, UsageError, fmt_time, make_config, save_atomic, train, validate
+
+
+# =============================================================================================
+# Summaries over seeds and the figure of a task
+# =============================================================================================
+
+def summarize(method_dir: Path) -> dict | None:
+    """Combine every seed's metrics in runs/<task>/<method>/seed*/ into <method>/metrics.json:
+    per evaluation point the mean, min and max over seeds, and the best seed (highest mean
+    accuracy beyond the training length among seeds whose in-distribution accuracy >= 0.85)."""
+    seeds = []
+    for p in sorted(method_dir.glob("seed*/metrics.json")):
+        try:
+            seeds.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if not seeds:
+        return None
+    names = [r["name"] for r in seeds[0]["eval"]]
+    points = []
+    for i, name in enumerate(names):
+        ex = [m["eval"][i]["exact"] for m in seeds if len(m["eval"]) > i]
+        tok = [m["eval"][i]["token"] for m in seeds if len(m["eval"]) > i]
+        r = seeds[0]["eval"][i]
+        points.append({"name": name, "length": r["length"], "variant": r["variant"],
+                       "exact": float(np.mean(ex)), "exact_min": min(ex), "exact_max": max(ex),
+                       "token": float(np.mean(tok)), "token_min": min(tok), "token_max": max(tok)})
+    train_max = seeds[0]["train_max_length"]
+
+    def ood(m):
+        rs = [r["exact"] for r in m["eval"] if r["length"] > train_max] or [r["exact"] for r in m["eval"]]
+        return float(np.mean(rs))
+    eligible = [m for m in seeds if (m["train_exact"] or 0) >= 0.85] or seeds
+    best = max(eligible, key=ood)
+    summary = {"task": seeds[0]["task"], "method": seeds[0]["method"], "label": method_dir.name,
+               "seeds": [m["seed"] for m in seeds], "train_max_length": train_max,
+               "device": seeds[0]["device"], "wall_s": [m["wall_s"] for m in seeds],
+               "eval": points, "best_seed": best["seed"], "best_eval": best["eval"]}
+    save_atomic(summary, method_dir / "metrics.json")
+    return summary
+
+
+def plot_task(task_dir: Path) -> Path | None:
+    """runs/<task>/extrapolation.png: every method run on the task; mean over seeds with the
+    min-max spread; a dashed line at the maximum training length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summaries = []
+    for d in sorted(task_dir.iterdir()):
+        if d.is_dir() and (d / "metrics.json").exists():
+            summaries.append(json.loads((d / "metrics.json").read_text()))
+    if not summaries:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if len(summaries) > 10:  # the default cycle repeats after 10 colours
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
+    task = summaries[0]["task"]
+    title = f"{task}: length extrapolation"
+    if summaries[0]["eval"][0]["variant"]:  # flip-flop: error % per evaluation setting
+        names = [p["name"] for p in summaries[0]["eval"]]
+        width = 0.8 / len(summaries)
+        for k, s in enumerate(summaries):
+            err = [100 * (1 - p["token"]) for p in s["eval"]]
+            lo = [100 * (1 - p["token_max"]) for p in s["eval"]]
+            hi = [100 * (1 - p["token_min"]) for p in s["eval"]]
+            xs = np.arange(len(names)) + k * width
+            bars = ax.bar(xs, err, width, label=f"{s['label']} ({len(s['seeds'])} seeds)",
+                          yerr=[np.subtract(err, lo), np.subtract(hi, err)])
+            for x, e in zip(xs, err):
+                if e == 0:  # an empty bar is easy to miss: say it is zero
+                    ax.text(x, 0.005, "0", ha="center", va="bottom", color=bars.patches[0].get_facecolor())
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+        ax.set_ylabel("error % at read bits (lower is better)")
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_ylim(0, 100)
+        title = f"{task}: error by evaluation setting"
+    else:
+        for s in summaries:
+            xs = [p["length"] for p in s["eval"]]
+            line, = ax.plot(xs, [p["exact"] for p in s["eval"]], marker=".", label=f"{s['label']} ({len(s['seeds'])} seeds)")
+            ax.fill_between(xs, [p["exact_min"] for p in s["eval"]], [p["exact_max"] for p in s["eval"]],
+                            color=line.get_color(), alpha=0.15)
+        ax.axvline(summaries[0]["train_max_length"], color="gray", linestyle="--", label="max train length")
+        ax.set_xlabel("problem length")
+        ax.set_ylabel("exact-match accuracy")
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = task_dir / "extrapolation.png"
+    tmp = task_dir / "extrapolation.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+# =============================================================================================
+# Headline experiments
+# =============================================================================================
+
+@dataclass
+class Experiment:
+    claim: str                   # the paper's result in words
+    runs: list                   # dicts: task, method, optional tag and TrainConfig/ModelConfig overrides
+    columns: list                # (label, selector, metric): selector = variant name or (lo, hi) lengths
+    paper: dict                  # run label -> the paper's number per column (strings)
+    scaled: str                  # what was scaled down from the paper to fit minutes
+    seeds: list = field(default_factory=lambda: [0])
+    sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
+                                 # each run's tag (e.g. L2 -> 2), one line per method
+
+
+VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
+
+
+def _vipe_experiment(task: str) -> Experiment:
+    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, one seed."""
+    return Experiment(
+        claim=f"{task}: train L=1..16, test 17..48, 1 head, d=128, 2 and 3 layers: ViPE keeps high accuracy "
+              "to about 2x the training length while the other encodings collapse (paper Fig. 6 and 12)",
+        runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n) for n in (2, 3) for m in VIPE_METHODS],
+        columns=[("1-16", (1, 16), "exact"), ("17-24", (17, 24), "exact"), ("25-32", (25, 32), "exact"),
+                 ("33-48", (33, 48), "exact")],
+        paper={**{f"{m}-L{n}": ["≥ 0.85 (selection rule)", "collapses", "collapses", "collapses"]
+                  for m in VIPE_METHODS[:-1] for n in (2, 3)},
+               **{f"vipe-L{n}": ["≥ 0.85 (selection rule)", "high", "high (to ~2x)", "falls"] for n in (2, 3)}},
+        scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps); "
+               "one seed (the paper: best of 8 with in-distribution accuracy >= 0.85; add seeds with --seeds "
+               "on single runs); one task per experiment so that each fits in about ten minutes")
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "path-flipflop": Experiment(
+        claim="Flip-flop LM, 1 layer, 2 heads, d=64: error % ID / sparse / dense",
+        runs=[dict(task="flipflop", method=m, steps=5000) for m in ("rope", "fox", "path")],
+        columns=[("ID err %", "ID", "error"), ("sparse err %", "sparse", "error"), ("dense err %", "dense", "error")],
+        paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
+        scaled="5k steps x 64 sequences for every method (the paper does not state its budget); 256 eval "
+               "sequences per setting, so the smallest measurable non-zero error is ~0.03 %",
+        seeds=[0, 1, 2]),
+    "path-a5": Experiment(
+        claim="A5 word problem, sequences of 20: PaTH needs fewer layers than RoPE to solve it "
+              "(solved = accuracy above 90 %; the paper: PaTH 2 layers, the others 4)",
+        runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=5000)
+              for n in (2, 4) for m in ("rope", "path")],
+        columns=[("length 20 token acc", (20, 20), "token"), ("length 20 exact", (20, 20), "exact"),
+                 ("length 40 token acc", (40, 40), "token")],
+        paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
+        scaled="2 and 4 layers only, 5k steps x 128 sequences of length 20, d=256, 4 heads, one seed per depth (a first "
+               "try with 1-4 layers at 2k steps learned nothing beyond the first two positions for either method)",
+        sweep=("layers", 0)),
+    "path-mqrar": Experiment(
+        claim="Multi-query repeated associative recall with N-back (MQRAR-N), 2 layers, d=256, 2 heads: "
+              "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
+        runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=2000)
+              for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
+        columns=[("token acc", (384, 384), "token")],
+        paper={},
+        scaled="2k steps x 64 sequences of 384 assignments, one seed per setting (the paper trains to convergence)",
+        sweep=("N (n-back)", 0)),
+    "vipe-poly": _vipe_experiment("polynomial"),
+    "vipe-parity": _vipe_experiment("parity"),
+    "vipe-binary-copy": _vipe_experiment("binary_copy"),
+    "vipe-scan": Experiment(
+        claim="SCAN length split, 6 layers, 4 heads, d=256: exact match on the test split (paper Table 2)",
+        runs=[dict(task="scan", method=m) for m in ("ape", "rope", "nope", "vipe")],
+        columns=[("train lengths (<= 22 actions)", (1, 22), "exact"), ("unseen lengths (24-48)", (24, 48), "exact")],
+        paper={"ape": ["", "0.000"], "rope": ["", "0.021"], "nope": ["", "0.132"], "vipe": ["", "0.150"]},
+        scaled="6k steps x 128 commands; our columns average the exact match over the action counts of each "
+               "range, the paper reports one number over the test split's commands"),
+    "prism-copy": Experiment(
+        claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
+              "APE with a random position shift fails (paper Fig. 3)",
+        runs=[dict(task="copy", method="prism", curriculum=True),
+              dict(task="copy", method="ape", ape_shift=100, curriculum=True)],
+        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-50", (21, 50), "exact"),
+                 ("51-100", (51, 100), "exact")],
+        paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
+        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100) with the "
+               "curriculum compressed into the first half of the steps"),
+    "prism-add": Experiment(
+        claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
+              "20-30 digits, APE fails (paper Fig. 4)",
+        runs=[dict(task="add_cot", method="prism", curriculum=True),
+              dict(task="add_cot", method="ape", ape_shift=100, curriculum=True)],
+        columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
+        paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
+        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100)"),
+    "prism-more": Experiment(
+        claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
+              "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
+        runs=[dict(task="reverse", method="prism", curriculum=True, opts={"prism_bins": 512}),
+              dict(task="odds_first", method="prism", curriculum=True, n_layers=4,
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
+              dict(task="stack", method="prism", curriculum=True, n_layers=4,
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
+              dict(task="dyn_str_cpy", method="prism", curriculum=True, opts={"prism_copy": True}),
+              dict(task="mul_cot", method="prism", curriculum=True),
+              dict(task="scan_cot", method="prism")],
+        columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
+        paper={},
+        scaled="the GPU preset per task (3k steps; the paper: 150k); PRISM only (the figures' baselines are "
+               "the other experiments' APE runs); odds_first and stack recompute positions before blocks 1 and 4; "
+               "dyn_str_cpy uses the copy branch"),
+    "upe-add": Experiment(
+        claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
+              "RPE generalises (UPE paper section 3)",
+        runs=[dict(task="add_padded", method=m) for m in ("ape", "rpe")],
+        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
+                 ("k=16-20", (16, 20), "exact")],
+        paper={"ape": ["", "fails", "fails", "fails"], "rpe": ["", "generalises", "generalises", "generalises"]},
+        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64"),
+    "upe-mul": Experiment(
+        claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
+              "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
+        runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d})
+              for d in (1, 3) for m in ("ape", "rpe", "upe")],
+        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
+                 ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
+        paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
+               "ape-m3": ["", "fails", "fails", "fails", "fails"]},
+        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64, "
+               "3 uniform slots"),
+}
+
+
+def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str) -> list[TrainConfig]:
+    cfgs = []
+    for run in exp.runs:
+        for seed in exp.seeds:
+            cfgs.append(make_config({**run, "seed": seed, "device": device, "out": out}, preset_name))
+    return cfgs
+
+
+def experiment_table(name: str, exp: Experiment, out: Path) -> str:
+    """Markdown table "paper vs this repo" from the summaries written by the runs."""
+    lines = [f"### {name}", "", exp.claim, "", f"Scaled: {exp.scaled}", ""]
+    head = [c[0] for c in exp.columns]
+    lines += ["| run | source | " + " | ".join(head) + " | seeds | device | wall |",
+              "| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- | --- |"]
+    seen = []
+    for run in exp.runs:
+        label = run["method"] + (f"-{run['tag']}" if run.get("tag") else "")
+        key = (run["task"], label)
+        if key in seen:
+            continue
+        seen.append(key)
+        if label in exp.paper:
+            lines.append(f"| {run['task']}/{label} | paper | " + " | ".join(exp.paper[label]) + " | | | |")
+        path = out / run["task"] / label / "metrics.json"
+        if not path.exists():
+            lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
+            continue
+        s = json.loads(path.read_text())
+        cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
+        lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join(cells)
+                     + f" | {len(s['seeds'])} | {s['device']} | {fmt_time(float(np.mean(s['wall_s'])))} |")
+    return "\n".join(lines)
+
+
+def column_numbers(summary: dict, selector, metric: str):
+    """(mean, lo, hi) over seeds of one column, or None; flip-flop errors in percent. selector:
+    a variant name, a (lo, hi) length range, or "train" / "beyond" (up to / past the training length)."""
+    if selector in ("train", "beyond"):
+        top = summary["train_max_length"]
+        pts = [p for p in summary["eval"] if (p["length"] <= top) == (selector == "train")]
+    elif isinstance(selector, str):
+        pts = [p for p in summary["eval"] if p["name"] == selector]
+    else:
+        pts = [p for p in summary["eval"] if selector[0] <= p["length"] <= selector[1]]
+    if not pts:
+        return None
+    if metric == "error":
+        f = lambda key: 100 * (1 - np.mean([p[key] for p in pts]))  # noqa: E731
+        return f("token"), f("token_max"), f("token_min")
+    f = lambda key: float(np.mean([p[key] for p in pts]))  # noqa: E731
+    return f(metric), f(metric + "_min"), f(metric + "_max")
+
+
+def column_value(summary: dict, selector, metric: str) -> str:
+    """Mean over seeds (min-max) of one column, as text."""
+    nums = column_numbers(summary, selector, metric)
+    if nums is None:
+        return "-"
+    return f"{nums[0]:.2f} ({nums[1]:.2f}-{nums[2]:.2f})" if metric == "error" else \
+        f"{nums[0]:.3f} ({nums[1]:.2f}-{nums[2]:.2f})"
+
+
+def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
+    """One column of an experiment against the number in each run's tag, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xlabel, col = exp.sweep
+    label, selector, metric = exp.columns[col]
+    lines: dict[str, list] = {}
+    for run in exp.runs:
+        path = out / run["task"] / f"{run['method']}-{run['tag']}" / "metrics.json"
+        nums = column_numbers(json.loads(path.read_text()), selector, metric) if path.exists() else None
+        if nums is not None:
+            lines.setdefault(run["method"], []).append((int("".join(filter(str.isdigit, run["tag"]))), *nums))
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method, pts in lines.items():
+        pts.sort()
+        x, y, lo, hi = zip(*pts)
+        ax.plot(x, y, marker="o", label=method)
+        ax.fill_between(x, lo, hi, alpha=0.15)
+    ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(label)
+    ax.set_title(f"{name} ({exp.runs[0]['task']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = out / "reproduce" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def reproduce(args, device: str, preset_name: str) -> int:
+    names = list(EXPERIMENTS) if args.reproduce == "all" else [args.reproduce]
+    for name in names:
+        if name not in EXPERIMENTS:
+            raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
+    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name) for name in names}
+    for cfgs in plans.values():
+        for cfg in cfgs:
+            validate(cfg)
+    if preset_name == "cpu":
+        print("Using the small CPU preset: the table will not show the paper's numbers.")
+    out = Path(args.out)
+    tables = []
+    for name, cfgs in plans.items():
+        print(f"== {name}: {len(cfgs)} runs")
+        for cfg in cfgs:
+            if (cfg.run_dir() / "metrics.json").exists() and not args.force:
+                print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
+            else:
+                train(cfg)
+            summarize(cfg.run_dir().parent)
+        for task in sorted({c.task for c in cfgs}):
+            plot_task(out / task)
+        table = experiment_table(name, EXPERIMENTS[name], out)
+        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
+        if EXPERIMENTS[name].sweep:
+            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
+        print(table)
+        tables.append(table)
+    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
+        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
+        print(f"wrote {out / 'reproduce' / 'all.md'}")
+    return 0

@@ -12,13 +12,53 @@ runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from train import TrainConfig, UsageError, fmt_time, make_config, save_atomic, train, validate
+from train import (NaNLoss, TrainConfig, UsageError, fmt_time, make_config, save_atomic, speed, summary_line,
+                   train, validate)
+
+
+# =============================================================================================
+# Several runs at once
+# =============================================================================================
+
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False):
+    """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
+    <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
+    those of the runs one after the other. A run that stops on a NaN loss does not stop the others."""
+    if jobs <= 1 or len(cfgs) <= 1:
+        for cfg in cfgs:
+            train(cfg, resume=resume)
+        return
+    t0, failed = time.time(), []
+    print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
+        futures = {pool.submit(train_logged, cfg, resume): cfg for cfg in cfgs}
+        for future in as_completed(futures):
+            run = futures[future].run_dir()
+            try:
+                print(f"  [{fmt_time(time.time() - t0)}] done {run}: {future.result()}", flush=True)
+            except NaNLoss as e:
+                print(f"  [{fmt_time(time.time() - t0)}] stopped {run}: {e}", flush=True)
+                failed.append(str(e))
+    if failed:
+        raise NaNLoss(f"{len(failed)} of {len(cfgs)} runs stopped; the first: {failed[0]}")
+
+
+def train_logged(cfg: TrainConfig, resume: bool = False) -> str:
+    """train() with its progress lines in <run>/train.log; returns the one-line summary."""
+    path = cfg.run_dir() / "train.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        metrics = train(cfg, resume, log=lambda line: print(line, file=f, flush=True))
+    return summary_line(metrics["eval"], metrics["train_max_length"])
 
 
 # =============================================================================================
@@ -248,12 +288,10 @@ EXPERIMENTS: dict[str, Experiment] = {
 }
 
 
-def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str) -> list[TrainConfig]:
-    cfgs = []
-    for run in exp.runs:
-        for seed in exp.seeds:
-            cfgs.append(make_config({**run, "seed": seed, "device": device, "out": out}, preset_name))
-    return cfgs
+def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str, how=None) -> list[TrainConfig]:
+    """The configs of every run and seed; `how`: settings of execution (workers, graphs) for all."""
+    return [make_config({**run, **(how or {}), "seed": seed, "device": device, "out": out}, preset_name)
+            for run in exp.runs for seed in exp.seeds]
 
 
 def experiment_table(name: str, exp: Experiment, out: Path) -> str:
@@ -351,7 +389,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
     for name in names:
         if name not in EXPERIMENTS:
             raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
-    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name) for name in names}
+    n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
+    how = speed(args, device, n_runs)
+    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
         for cfg in cfgs:
             validate(cfg)
@@ -361,11 +401,14 @@ def reproduce(args, device: str, preset_name: str) -> int:
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
+        todo = []
         for cfg in cfgs:
             if (cfg.run_dir() / "metrics.json").exists() and not args.force:
                 print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
             else:
-                train(cfg)
+                todo.append(cfg)
+        run_many(todo, args.jobs)
+        for cfg in cfgs:
             summarize(cfg.run_dir().parent)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)

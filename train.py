@@ -127,7 +127,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
 
 
 def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if str(device).startswith("cuda") \
+    """bf16 on CUDA (without the weight-cast cache, which a CUDA graph cannot hold), off on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if str(device).startswith("cuda") \
         else torch.autocast("cpu", enabled=False)
 
 
@@ -156,6 +157,8 @@ class TrainConfig:
     ckpt_every: int = 500             # write a checkpoint every this many steps
     log_every: float = 5.0            # seconds between progress lines
     device: str = "auto"              # auto | cpu | cuda
+    workers: int = 0                  # processes that make training batches ahead of the step (0: in the loop)
+    graphs: bool = False              # replay each step from a CUDA graph per padded length (CUDA only)
     compile: bool = False             # torch.compile the model (CUDA only)
     preset: str = ""                  # the preset the defaults came from (recorded, not used)
     out: str = "runs"                 # output root
@@ -234,6 +237,8 @@ def validate(cfg: TrainConfig) -> Task:
     device = resolve_device(cfg.device)
     if cfg.compile and not device.startswith("cuda"):
         raise UsageError("--compile needs a CUDA GPU; drop it on CPU")
+    if cfg.graphs and not device.startswith("cuda"):
+        raise UsageError("CUDA graphs need a CUDA GPU")
     for what, lengths in (("train", cfg.train_lengths or task.train_lengths),
                           ("test", cfg.test_lengths or task.test_lengths)):
         if not lengths:
@@ -331,6 +336,123 @@ def fmt_time(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+class TrainBatches(torch.utils.data.Dataset):
+    """Step s's training batch is a pure function of (seed, s): worker processes can make batches
+    ahead of the loop in any order, and a resumed run continues the same stream."""
+
+    def __init__(self, cfg: TrainConfig, task: Task, lengths: list[int]):
+        self.cfg, self.task, self.lengths = cfg, task, lengths
+
+    def __len__(self):
+        return self.cfg.steps
+
+    def __getitem__(self, step: int) -> Batch:
+        cfg = self.cfg
+        lengths = curriculum_lengths(step, cfg, self.lengths) if cfg.curriculum else self.lengths
+        return sample_mixed(self.task, cfg.batch_size, lengths, np.random.default_rng([cfg.seed, 0, step]),
+                            **cfg.task_opts)
+
+
+def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, cuda: bool):
+    """The batches of steps start .. cfg.steps - 1, in order; with cfg.workers > 0 made by that many
+    processes, up to 4 batches each ahead of the step, in page-locked memory on CUDA."""
+    return torch.utils.data.DataLoader(
+        TrainBatches(cfg, task, lengths), batch_size=None, sampler=range(start, cfg.steps),
+        num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None, pin_memory=cuda and cfg.workers > 0,
+        generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
+
+
+class Step:
+    """One optimiser step: forward, loss, backward, gradient clip, AdamW; returns the loss on the device.
+
+    With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch
+    of each padded length runs eagerly (a real step), then that step is captured as a CUDA graph
+    which the later batches of the length replay: one launch instead of hundreds for a tiny model.
+    Padding changes no result: pads come after every real token (causal models never read them),
+    are never supervised, and bidirectional models mask them as keys."""
+
+    BUCKET = 32
+
+    def __init__(self, model, fwd, opt, cfg: TrainConfig, task: Task, device: str):
+        self.model, self.fwd, self.opt, self.cfg, self.task, self.device = model, fwd, opt, cfg, task, device
+        self.pad = cfg.graphs or cfg.compile    # compiled models: a few shapes, so a few compilations
+        self.buffers, self.graphs = {}, {}      # padded length -> static (x, y, slot); -> (graph, loss)
+
+    def body(self, x, y, ctx):
+        """x, y: (B, T) on the device -> the loss (0-dim). Padded inputs get their key mask here,
+        from x, so that a CUDA graph recomputes it for every batch."""
+        if self.pad and not self.task.causal:
+            ctx = {**ctx, "key_mask": x != self.task.pad_id}
+        with autocast(self.device):
+            logits = self.fwd(x, ctx)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        return loss.detach()
+
+    def __call__(self, batch: Batch):
+        if not self.pad:
+            self.opt.zero_grad(set_to_none=True)
+            return self.body(batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True),
+                             batch_context(self.task, batch, self.device))
+        T = -(-batch.x.shape[1] // self.BUCKET) * self.BUCKET
+        if T not in self.buffers:
+            self.buffers[T] = [None if t is None else torch.empty(len(t), T, dtype=torch.long, device=self.device)
+                               for t in (batch.x, batch.y, batch.slot)]
+        x, y, slot = self.buffers[T]
+        for dst, src, pad in zip((x, y, slot), (batch.x, batch.y, batch.slot), (self.task.pad_id, IGNORE, -1)):
+            if src is not None:
+                dst[:, src.shape[1]:] = pad
+                dst[:, :src.shape[1]].copy_(src, non_blocking=True)
+        if T in self.graphs:
+            graph, loss = self.graphs[T]
+            graph.replay()
+            return loss.clone()
+        ctx = {"s": 1.0} if slot is None else {"s": 1.0, "slot": slot, "slot_max": int(batch.slot.max())}
+        self.opt.zero_grad(set_to_none=True)
+        if not self.cfg.graphs:
+            return self.body(x, y, ctx)
+        side = torch.cuda.Stream()                       # the eager step before a capture runs on a
+        side.wait_stream(torch.cuda.current_stream())    # side stream, as torch.cuda.graph asks
+        with torch.cuda.stream(side):
+            first = self.body(x, y, ctx)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)             # the graph's backward allocates the gradients
+        with torch.cuda.graph(graph):
+            loss = self.body(x, y, ctx)
+        self.graphs[T] = (graph, loss)
+        return first
+
+
+def make_optimizer(model, cfg: TrainConfig, device: str):
+    """AdamW: weight decay on matrices only, the method's extra groups (PRISM's alpha) at their own
+    ratio to the base learning rate. On CUDA fused, with tensor learning rates a CUDA graph reads."""
+    method = METHODS[cfg.method]
+    groups = method.param_groups(model, cfg.lr) if method.param_groups else []
+    grouped = {id(p) for g in groups for p in g["params"]}
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in grouped]
+    no_decay = [p for p in model.parameters() if p.dim() < 2 and id(p) not in grouped]
+    cuda = device.startswith("cuda")
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}] + groups, lr=cfg.lr,
+                            fused=cuda, capturable=cuda)
+    for g in opt.param_groups:
+        g["lr_scale"] = g.get("lr", cfg.lr) / cfg.lr  # extra groups keep their ratio to the base lr
+        if cuda:
+            g["lr"] = torch.tensor(float(g["lr"]), device=device)
+    return opt
+
+
+def set_lr(opt, lr: float):
+    for g in opt.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr * g["lr_scale"])
+        else:
+            g["lr"] = lr * g["lr_scale"]
+
+
 def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     """Train one model, evaluate it, write metrics.json and model.pt; return the metrics."""
     task = validate(cfg)
@@ -342,41 +464,33 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
-    method = METHODS[cfg.method]
-    groups = method.param_groups(model, cfg.lr) if method.param_groups else []
-    grouped = {id(p) for g in groups for p in g["params"]}
-    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in grouped]
-    no_decay = [p for p in model.parameters() if p.dim() < 2 and id(p) not in grouped]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}] + groups, lr=cfg.lr,
-                            fused=device.startswith("cuda"))
-    for g in opt.param_groups:
-        g["lr_scale"] = g.get("lr", cfg.lr) / cfg.lr  # extra groups keep their ratio to the base lr
-    rng = np.random.default_rng(cfg.seed)
+    opt = make_optimizer(model, cfg, device)
     step, losses, wall = 0, [], 0.0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
-        rng.bit_generator.state = ckpt["rng"]
         torch.set_rng_state(ckpt["torch_rng"])
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
         step, losses, wall = ckpt["step"], ckpt["losses"], ckpt["wall"]
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = torch.compile(model) if cfg.compile else model
+    train_step = Step(model, fwd, opt, cfg, task, device)
 
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{cfg.task} / {cfg.method} / seed {cfg.seed}: {cfg.model.n_layers} layers, {cfg.model.n_heads} heads, "
-        f"d={cfg.model.d_model}, {n_params / 1e6:.2f}M params, {cfg.steps} steps x {cfg.batch_size} on {device}")
+        f"d={cfg.model.d_model}, {n_params / 1e6:.2f}M params, {cfg.steps} steps x {cfg.batch_size} on {device}"
+        + (f", {cfg.workers} data workers" if cfg.workers else "") + (", CUDA graphs" if cfg.graphs else ""))
 
     def checkpoint():
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
-                     "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+                     "torch_rng": torch.get_rng_state(),
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
                      "step": step, "losses": losses, "wall": wall}, cfg.run_dir() / CKPT)
 
     model.train()
     t0, last_log, log_step = time.time() - wall, time.time(), step
+    start, waited = (step, time.time()), 0.0    # steps/s and the time spent waiting for data, this session
     pending = []  # losses still on the device: reading each one would stall the GPU every step
 
     def flush():
@@ -394,20 +508,14 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             losses.append([first + k, v])
         pending.clear()
 
+    stream = iter(batches(cfg, task, train_lengths, step, device.startswith("cuda")))
     while step < cfg.steps:
-        lengths = curriculum_lengths(step, cfg, train_lengths) if cfg.curriculum else train_lengths
-        batch = sample_mixed(task, cfg.batch_size, lengths, rng, **cfg.task_opts)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg) * g["lr_scale"]
-        with autocast(device):
-            logits = fwd(batch.x.to(device), batch_context(task, batch, device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch.y.to(device).flatten(), ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        tic = time.time()
+        batch = next(stream)
+        waited += time.time() - tic
+        set_lr(opt, lr_at(step, cfg))
+        pending.append(train_step(batch))
         step += 1
-        pending.append(loss.detach())
         if device == "cpu" or len(pending) >= 50:
             flush()
         now = time.time()
@@ -415,7 +523,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             flush()
             rate = (step - log_step) / (now - last_log)
             log(f"  step {step:>6}/{cfg.steps} | loss {losses[-1][1]:.4f} | lr {lr_at(step - 1, cfg):.2e} | "
-                f"{rate:6.1f} steps/s | eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
+                f"{rate:6.1f} steps/s | data wait {100 * waited / (now - start[1]):.0f}% | "
+                f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
             last_log, log_step = now, step
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
@@ -424,7 +533,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             flush()   # never checkpoint weights that a NaN step has touched
             wall = time.time() - t0
             checkpoint()
-    wall = time.time() - t0
+    wall, loop = time.time() - t0, time.time() - start[1]
+    del stream                                   # stops the data workers
 
     rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
     train_max = max(train_lengths)
@@ -432,6 +542,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
         "git": git_hash(), "device": device_name(device), "wall_s": round(wall, 1),
+        "steps_per_s": round((step - start[0]) / max(loop, 1e-9), 2), "data_wait": round(waited / max(loop, 1e-9), 3),
         "n_params": n_params, "train_max_length": train_max,
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
@@ -543,6 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
+    g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
+                   "1 on CPU; on CUDA one per 8 GB of GPU memory, at most 8 and the number of runs)")
+    g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
+                   "0 on CPU; on CUDA the CPU cores per job less one, 1 to 4)")
+    g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
     g.add_argument("--out", default="runs", help="output root (default runs/)")
     g.add_argument("--tag", default="", help="suffix of the run name: runs/<task>/<method>-<tag>")
     g = p.add_argument_group("model")
@@ -584,6 +700,19 @@ def main(argv=None) -> int:
         return 130
 
 
+def speed(args, device: str, n_runs: int) -> dict:
+    """How runs are executed, never what they compute: sets args.jobs and each run's data workers
+    and CUDA graphs (see --help)."""
+    cuda = device.startswith("cuda")
+    if args.jobs is None:
+        memory = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+        args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
+    if args.jobs < 1 or (args.workers or 0) < 0:
+        raise UsageError("--jobs must be at least 1 and --workers at least 0")
+    workers = max(1, min(4, (os.cpu_count() or 1) // args.jobs - 1)) if cuda else 0
+    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs}
+
+
 def run_cli(args) -> int:
     device = resolve_device(args.device)
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
@@ -603,14 +732,15 @@ def run_cli(args) -> int:
                   train_lengths=parse_list(args.train_lengths, int), test_lengths=parse_list(args.test_lengths, int),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
                   compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
-    cfgs = [make_config({**values, "method": m, "seed": s}, preset_name) for m in methods for s in seeds]
+    cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
+                        preset_name) for m in methods for s in seeds]
     for cfg in cfgs:   # every run is checked before the first one starts
         validate(cfg)
     if preset_name == "cpu":
         print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
               "(run on a GPU for the paper's setting).")
+    experiments.run_many(cfgs, args.jobs, args.resume)
     for cfg in cfgs:
-        train(cfg, resume=args.resume)
         experiments.summarize(cfg.run_dir().parent)
     plot = experiments.plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")

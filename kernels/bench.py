@@ -2,6 +2,7 @@
 
     python kernels/bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
     python kernels/bench.py --op path --lengths 512,1024,2048
+    python kernels/bench.py --op train      # train.py's steps/s on the headline presets
 
 For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
 case slower than 5 s, like PRISM's naive loop) of the forward and of forward + backward, the
@@ -249,9 +250,100 @@ def plot(name, rows, gpu, path):
     plt.close(fig)
 
 
+# =============================================================================================
+# Training throughput:  python kernels/bench.py --op train
+# =============================================================================================
+
+TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("polynomial", "vipe"),
+              ("add_padded", "rpe"), ("add_cot", "rope"), ("add_cot", "prism"), ("copy", "prism")]
+TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),
+               "data workers": dict(workers=4, graphs=False),
+               "data workers + CUDA graphs": dict(workers=4, graphs=True)}
+
+
+def data_ms(task, n=256, repeats=5) -> float:
+    """Milliseconds (best of `repeats`) to make a batch of n problems at the task's longest training length."""
+    import time
+
+    import numpy as np
+    rng = np.random.default_rng(0)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        task.sample(n, max(task.train_lengths), rng)
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, device=None):
+    """Steps/s of train.train on each headline preset (GPU preset, its batch size) in each mode,
+    from the run's own metrics (steps over the loop's time, graph captures included), and the
+    fraction of that time the loop waited for data."""
+    import tempfile
+
+    import train
+    from tasks import TASKS
+
+    device = device or DEVICE
+    rows = []
+    for task, method in runs:
+        for mode, how in modes.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = train.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
+                                             n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
+                                             ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")
+                m = train.train(cfg, log=lambda *_: None)
+            rows.append(dict(run=f"{task} {method}", batch=cfg.batch_size, mode=mode,
+                             steps_per_s=m["steps_per_s"], data_wait=m["data_wait"]))
+            print(f"train {task:10s} {method:6s} batch {cfg.batch_size:4d} {mode:30s} "
+                  f"{m['steps_per_s']:8.1f} steps/s   data wait {100 * m['data_wait']:4.0f}%", flush=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    first = next(iter(modes))
+    lines = [f"# Training throughput: {gpu}, torch {torch.__version__}, GPU preset, {steps} steps per run", "",
+             "| run | batch | mode | steps/s | samples/s | vs " + first + " | data wait |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        base = next(b for b in rows if b["run"] == r["run"] and b["mode"] == first)
+        lines.append(f"| {r['run']} | {r['batch']} | {r['mode']} | {r['steps_per_s']:.1f} | "
+                     f"{r['steps_per_s'] * r['batch']:.0f} | {r['steps_per_s'] / base['steps_per_s']:.2f}x | "
+                     f"{100 * r['data_wait']:.0f}% |")
+    lines += ["", "Data generation on one CPU core, a batch of 256 at the longest training length (best of 5):", "",
+              "| task | ms |", "| --- | ---: |"]
+    lines += [f"| {name} | {data_ms(task):.1f} |" for name, task in TASKS.items()]
+    table = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train.md").write_text(table)
+    plot_train(rows, list(modes), gpu, out_dir / "train.png")
+    print(table)
+    return rows
+
+
+def plot_train(rows, modes, gpu, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        ys = [next(r["steps_per_s"] for r in rows if r["run"] == run and r["mode"] == mode) for run in runs]
+        ax.bar([i + k * width for i in range(len(runs))], ys, width, label=mode)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(runs))], runs, rotation=20, fontsize=8)
+    ax.set_ylabel("training steps/s (GPU preset batch)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title(f"train.py throughput, {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--op", default="all", help=f"one of {', '.join(OPS)} or all")
+    parser.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, all (the kernels) or train")
+    parser.add_argument("--steps", type=int, default=300, help="--op train: steps per run")
     parser.add_argument("--lengths", default=None, help="comma-separated T values (default: per op)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--out", default="runs/bench")
@@ -259,6 +351,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernels/bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
         return 2
+    if args.op == "train":
+        run_train(args.steps, Path(args.out))
+        return 0
     names = list(OPS) if args.op == "all" else [args.op]
     for name in names:
         if name not in OPS:

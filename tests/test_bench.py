@@ -24,3 +24,23 @@ def test_every_case_runs(op, monkeypatch):
 def test_bench_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # the message a CPU-only machine gets
     assert bench.main([]) == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_train_throughput_table(tmp_path):
+    """--op train's table and figure from real (tiny, CPU) runs of train.train in two modes."""
+    modes = {"in the loop": dict(workers=0, graphs=False), "2 workers": dict(workers=2, graphs=False)}
+    rows = bench.run_train(3, tmp_path, runs=[("copy", "rope")], modes=modes, device="cpu")
+    assert [r["mode"] for r in rows] == list(modes) and all(r["steps_per_s"] > 0 for r in rows)
+    table = (tmp_path / "train.md").read_text()
+    assert "| copy rope | 64 | in the loop |" in table and "| 1.00x |" in table and "| add_cot |" in table
+    assert (tmp_path / "train.png").stat().st_size > 1000
+
+
+def test_every_task_makes_a_batch_of_256_quickly():
+    """Data generation, a batch of 256 at the longest training length on one core: a bound 10x the
+    slowest task measured on this machine's CPU (mul_cot, 26 ms), so it cannot flake; it catches a
+    generator that becomes quadratic. The loop hides this time with worker processes (--op train
+    reports the time the loop waits for data)."""
+    from tasks import TASKS
+    slow = {name: ms for name, task in TASKS.items() if (ms := bench.data_ms(task, repeats=3)) > 260}
+    assert not slow, slow

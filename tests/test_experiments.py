@@ -60,3 +60,21 @@ def test_every_experiment_run_is_valid():
     for name, exp in experiments.EXPERIMENTS.items():
         for run in exp.runs:
             validate(make_config({**run, "device": "cpu"}, "gpu"))
+
+
+def test_jobs_run_concurrently_with_the_results_of_sequential_runs(capsys, tmp_path):
+    """--jobs 2: two runs at once, each in its own process with its log in <run>/train.log; the
+    weights are those of the same runs one after the other."""
+    import torch
+    tiny = ["--task", "copy", "--methods", "nope,rope", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+            "--steps", "15", "--batch-size", "8", "--n-eval", "8", "--train-lengths", "1-3", "--test-lengths", "2,5",
+            "--device", "cpu"]
+    for jobs, out in (("1", tmp_path / "seq"), ("2", tmp_path / "par")):
+        code, stdout, _ = run_cli(capsys, *tiny, "--jobs", jobs, "--out", str(out))
+        assert code == 0
+    assert "2 runs, 2 at a time" in stdout and stdout.count("done ") == 2
+    for m in ("nope", "rope"):
+        a = torch.load(tmp_path / "seq" / "copy" / m / "seed0" / "model.pt")
+        b = torch.load(tmp_path / "par" / "copy" / m / "seed0" / "model.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert "steps/s" in (tmp_path / "par" / "copy" / m / "seed0" / "train.log").read_text()

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils.parametrizations import orthogonal
+from torch.nn.utils import parametrize
 
 from model import Hooks, Method, Model, ModelConfig, batch_context
 
@@ -175,6 +175,45 @@ GAMMA_INIT = 2.0
 ALPHA_INIT = 8.0   # see PrismAttention
 
 
+class OrthogonalExp(nn.Module):
+    """Parametrisation of an (n, k) matrix, n >= k, with orthonormal columns (section 6.3):
+
+        W = base · exp(S)[:, :k],   S = Y - Y^T,   Y = [tril(X), 0] (n x n),
+
+    torch.nn.utils.parametrizations.orthogonal with orthogonal_map="matrix_exp" (base: the initial
+    weight, completed to an orthogonal n x n matrix; X starts at zero). exp is evaluated here with a
+    fixed scaling and squaring, a Taylor polynomial of degree DEGREE on S / 2^SQUARINGS, so that no
+    step waits for a value read back from the GPU (torch.matrix_exp picks its degree on the host) and
+    the training step fits in a CUDA graph; torch's default for non-square matrices, Householder
+    products, spends most of a PRISM training step in its backward. Truncation error: below
+    float32 rounding while |S| < 2^SQUARINGS (S stays far smaller: X starts at zero)."""
+
+    SQUARINGS, DEGREE = 6, 8
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("base", torch.eye(n))
+
+    def forward(self, X):
+        n, k = X.shape
+        Y = torch.cat([X.tril(), X.new_zeros(n, n - k)], 1)                  # (n, n)
+        S = (Y - Y.T) / 2 ** self.SQUARINGS
+        eye = torch.eye(n, dtype=X.dtype, device=X.device)
+        E = eye
+        for j in range(self.DEGREE, 0, -1):                                   # Horner: sum_j S^j / j!
+            E = eye + S @ E / j
+        for _ in range(self.SQUARINGS):
+            E = E @ E
+        return self.base @ E[:, :k]
+
+    def right_inverse(self, W):
+        n, k = W.shape
+        full = torch.cat([W, torch.randn(n, n - k, dtype=W.dtype, device=W.device)], 1)
+        Q, R = torch.linalg.qr(full)
+        self.base.copy_(Q * R.diagonal().sign())                              # W's columns, orthonormalised
+        return torch.zeros_like(W)
+
+
 class PrismGates(nn.Module):
     """A GRU (hidden 100) over the residual stream, emitting per cursor p_reset (Bernoulli) and
     (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal."""
@@ -183,7 +222,7 @@ class PrismGates(nn.Module):
         super().__init__()
         self.n = n_cursors
         self.gru = nn.GRU(d_model, hidden, batch_first=True)
-        orthogonal(self.gru, "weight_hh_l0")
+        parametrize.register_parametrization(self.gru, "weight_hh_l0", OrthogonalExp(3 * hidden))
         self.head = nn.Linear(hidden, 4 * n_cursors)
 
     def forward(self, h):

@@ -490,7 +490,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
 
     model.train()
     t0, last_log, log_step = time.time() - wall, time.time(), step
-    start, waited = (step, time.time()), 0.0    # steps/s and the time spent waiting for data, this session
+    waited, log_waited = 0.0, 0.0               # seconds spent waiting for data: in all, at the last log
+    warm = step + min(50, (cfg.steps - step) // 5)   # steps/s and data wait in the metrics: after these
+    mark = (step, time.time(), 0.0)             # steps (compiles, graph captures, workers starting)
     pending = []  # losses still on the device: reading each one would stall the GPU every step
 
     def flush():
@@ -510,6 +512,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
 
     stream = iter(batches(cfg, task, train_lengths, step, device.startswith("cuda")))
     while step < cfg.steps:
+        if step == warm:
+            flush()
+            mark = (step, time.time(), waited)
         tic = time.time()
         batch = next(stream)
         waited += time.time() - tic
@@ -523,9 +528,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             flush()
             rate = (step - log_step) / (now - last_log)
             log(f"  step {step:>6}/{cfg.steps} | loss {losses[-1][1]:.4f} | lr {lr_at(step - 1, cfg):.2e} | "
-                f"{rate:6.1f} steps/s | data wait {100 * waited / (now - start[1]):.0f}% | "
+                f"{rate:6.1f} steps/s | data wait {100 * (waited - log_waited) / (now - last_log):.0f}% | "
                 f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
-            last_log, log_step = now, step
+            last_log, log_step, log_waited = now, step, waited
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
             log("  eval: " + summary_line(rows, max(train_lengths)))
@@ -533,7 +538,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             flush()   # never checkpoint weights that a NaN step has touched
             wall = time.time() - t0
             checkpoint()
-    wall, loop = time.time() - t0, time.time() - start[1]
+    wall, loop = time.time() - t0, time.time() - mark[1]
     del stream                                   # stops the data workers
 
     rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
@@ -542,7 +547,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
         "git": git_hash(), "device": device_name(device), "wall_s": round(wall, 1),
-        "steps_per_s": round((step - start[0]) / max(loop, 1e-9), 2), "data_wait": round(waited / max(loop, 1e-9), 3),
+        "steps_per_s": round((step - mark[0]) / max(loop, 1e-9), 2),
+        "data_wait": round((waited - mark[2]) / max(loop, 1e-9), 3),
         "n_params": n_params, "train_max_length": train_max,
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],

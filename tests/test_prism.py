@@ -263,6 +263,20 @@ def test_alpha_gets_its_own_optimiser_group():
     assert group["lr"] == 0.03 and group["betas"] == (0.8, 0.92) and len(group["params"]) == 2   # one per layer
 
 
+def test_orthogonal_map_is_the_matrix_exponential():
+    """OrthogonalExp's fixed-degree exponential against torch.matrix_exp, for a parameter far from
+    its zero start (|S| about 20); tolerance: float32 rounding over 14 products."""
+    from prism import OrthogonalExp
+    torch.manual_seed(0)
+    p = OrthogonalExp(30)
+    p.right_inverse(torch.randn(30, 10))
+    X = 0.3 * torch.randn(30, 10)
+    Y = torch.cat([X.tril(), torch.zeros(30, 20)], 1)
+    want = p.base @ torch.matrix_exp(Y - Y.T)[:, :10]
+    assert torch.allclose(p(X), want, atol=2e-5), (p(X) - want).abs().max()
+    assert torch.allclose(p(X).T @ p(X), torch.eye(10), atol=2e-5)
+
+
 def test_gru_hidden_matrix_is_orthogonal():
     hooks = PrismHooks(prism_cfg())
     w = hooks.gates[0].gru.weight_hh_l0                                  # (3 * 100, 100): orthonormal columns

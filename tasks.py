@@ -37,10 +37,6 @@ class Batch:
     length: torch.Tensor               # (n,) problem length, for the per-length plot
     slot: torch.Tensor | None = None   # (n, T) int64, UPE slots (-1 = relative)
 
-    def pin_memory(self) -> Batch:
-        """Page-locked copies, for non-blocking copies to the GPU (torch's DataLoader calls this)."""
-        return Batch(*(None if t is None else t.pin_memory() for t in (self.x, self.y, self.length, self.slot)))
-
 
 class Task:
     """Base class. A subclass sets the class attributes and implements

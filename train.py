@@ -282,7 +282,7 @@ def check_method(method: str):
 
 def git_hash() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -353,13 +353,19 @@ class TrainBatches(torch.utils.data.Dataset):
                             **cfg.task_opts)
 
 
-def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, cuda: bool):
+def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int):
     """The batches of steps start .. cfg.steps - 1, in order; with cfg.workers > 0 made by that many
-    processes, up to 4 batches each ahead of the step, in page-locked memory on CUDA."""
-    return torch.utils.data.DataLoader(
+    processes, up to 4 batches each ahead of the step. Workers send numpy arrays: one pickled
+    message per batch, where torch tensors would each pass a shared-memory file descriptor."""
+    loader = torch.utils.data.DataLoader(
         TrainBatches(cfg, task, lengths), batch_size=None, sampler=range(start, cfg.steps),
-        num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None, pin_memory=cuda and cfg.workers > 0,
+        num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None, collate_fn=to_numpy,
         generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
+    return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
+
+
+def to_numpy(batch: Batch) -> tuple:
+    return tuple(None if t is None else t.numpy() for t in (batch.x, batch.y, batch.length, batch.slot))
 
 
 class Step:
@@ -420,7 +426,7 @@ class Step:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.opt.zero_grad(set_to_none=True)             # the graph's backward allocates the gradients
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss = self.body(x, y, ctx)
         self.graphs[T] = (graph, loss)
         return first
@@ -510,7 +516,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
             losses.append([first + k, v])
         pending.clear()
 
-    stream = iter(batches(cfg, task, train_lengths, step, device.startswith("cuda")))
+    stream = batches(cfg, task, train_lengths, step)
     while step < cfg.steps:
         if step == warm:
             flush()

@@ -230,6 +230,9 @@ class PrismGates(nn.Module):
         B, T, _ = h.shape
         with torch.autocast(h.device.type, enabled=False):  # the recurrence in float32 (cuDNN wants one dtype)
             out, _ = self.gru(h.float())
+        # nn.GRU keeps the weights of its last call: with W_hh parametrised they would keep this
+        # step's autograd graph alive into the next step, which a CUDA graph capture refuses
+        self.gru._flat_weights = [None if w is None else w.detach() for w in self.gru._flat_weights]
         logits = self.head(out).float().view(B, T, self.n, 4).permute(0, 2, 1, 3)   # (B, n, T, 4)
         move = logits[..., 1:].softmax(-1)
         return torch.sigmoid(logits[..., 0]), move[..., 0], move[..., 1], move[..., 2]

@@ -669,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
                    "1 on CPU; on CUDA one per 8 GB of GPU memory, at most 8 and the number of runs)")
     g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
-                   "0 on CPU; on CUDA the CPU cores per job less one, 1 to 4)")
+                   "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
     g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
     g.add_argument("--out", default="runs", help="output root (default runs/)")
     g.add_argument("--tag", default="", help="suffix of the run name: runs/<task>/<method>-<tag>")
@@ -721,8 +721,13 @@ def speed(args, device: str, n_runs: int) -> dict:
         args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")
-    workers = max(1, min(4, (os.cpu_count() or 1) // args.jobs - 1)) if cuda else 0
+    workers = default_workers(args.jobs) if cuda else 0
     return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs}
+
+
+def default_workers(jobs: int) -> int:
+    """Data workers per run when `jobs` runs share the machine: the CPU cores per run less one, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
 
 
 def run_cli(args) -> int:

@@ -256,9 +256,9 @@ def plot(name, rows, gpu, path):
 
 TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("polynomial", "vipe"),
               ("add_padded", "rpe"), ("add_cot", "rope"), ("add_cot", "prism"), ("copy", "prism")]
-TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),
-               "data workers": dict(workers=4, graphs=False),
-               "data workers + CUDA graphs": dict(workers=4, graphs=True)}
+TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),   # the loop before workers/graphs
+               "data workers": dict(workers=None, graphs=False),               # None: train.default_workers(1)
+               "data workers + CUDA graphs": dict(workers=None, graphs=True)}
 
 
 def data_ms(task, n=256, repeats=5) -> float:
@@ -289,22 +289,23 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     for task, method in runs:
         for mode, how in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
+                how = {**how, "workers": train.default_workers(1) if how["workers"] is None else how["workers"]}
                 cfg = train.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
                                              n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
                                              ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")
                 m = train.train(cfg, log=lambda *_: None)
-            rows.append(dict(run=f"{task} {method}", batch=cfg.batch_size, mode=mode,
+            rows.append(dict(run=f"{task} {method}", batch=cfg.batch_size, mode=mode, workers=cfg.workers,
                              steps_per_s=m["steps_per_s"], data_wait=m["data_wait"]))
             print(f"train {task:10s} {method:6s} batch {cfg.batch_size:4d} {mode:30s} "
                   f"{m['steps_per_s']:8.1f} steps/s   data wait {100 * m['data_wait']:4.0f}%", flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     first = next(iter(modes))
     lines = [f"# Training throughput: {gpu}, torch {torch.__version__}, GPU preset, {steps} steps per run", "",
-             "| run | batch | mode | steps/s | samples/s | vs " + first + " | data wait |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| run | batch | mode | workers | steps/s | samples/s | vs " + first + " | data wait |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = next(b for b in rows if b["run"] == r["run"] and b["mode"] == first)
-        lines.append(f"| {r['run']} | {r['batch']} | {r['mode']} | {r['steps_per_s']:.1f} | "
+        lines.append(f"| {r['run']} | {r['batch']} | {r['mode']} | {r['workers']} | {r['steps_per_s']:.1f} | "
                      f"{r['steps_per_s'] * r['batch']:.0f} | {r['steps_per_s'] / base['steps_per_s']:.2f}x | "
                      f"{100 * r['data_wait']:.0f}% |")
     lines += ["", "Data generation on one CPU core, a batch of 256 at the longest training length (best of 5):", "",

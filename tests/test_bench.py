@@ -32,7 +32,7 @@ def test_train_throughput_table(tmp_path):
     rows = bench.run_train(3, tmp_path, runs=[("copy", "rope")], modes=modes, device="cpu")
     assert [r["mode"] for r in rows] == list(modes) and all(r["steps_per_s"] > 0 for r in rows)
     table = (tmp_path / "train.md").read_text()
-    assert "| copy rope | 64 | in the loop |" in table and "| 1.00x |" in table and "| add_cot |" in table
+    assert "| copy rope | 64 | in the loop | 0 |" in table and "| 1.00x |" in table and "| add_cot |" in table
     assert (tmp_path / "train.png").stat().st_size > 1000
 
 

@@ -277,6 +277,18 @@ def test_orthogonal_map_is_the_matrix_exponential():
     assert torch.allclose(p(X).T @ p(X), torch.eye(10), atol=2e-5)
 
 
+def test_gates_keep_no_graph_and_follow_their_weights():
+    """After a call the GRU holds no autograd graph of it (CUDA graphs need this), and the next call
+    uses the parametrised W_hh as it is then."""
+    gates = PrismHooks(prism_cfg()).gates[0]
+    h = torch.randn(2, 5, 32)
+    first = gates(h)[0]
+    assert all(w is None or w.grad_fn is None for w in gates.gru._flat_weights)
+    with torch.no_grad():
+        gates.gru.parametrizations.weight_hh_l0.original.add_(0.1)
+    assert not torch.allclose(gates(h)[0], first)
+
+
 def test_gru_hidden_matrix_is_orthogonal():
     hooks = PrismHooks(prism_cfg())
     w = hooks.gates[0].gru.weight_hh_l0                                  # (3 * 100, 100): orthonormal columns

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 
 import torch
@@ -69,15 +68,36 @@ def _defaults(q, beta, g, scale):
 
 
 # =============================================================================================
-# Naive reference: one reflection at a time
+# Naive references: one reflection at a time
 # =============================================================================================
 
 def path_attention_naive(q, k, v, w, beta, g=None, scale=None):
     """The definition, read literally. q, k, w: (B, H, T, D); v: (B, H, T, Dv); beta, g: (B, H, T).
 
-    Every query i is carried leftwards one token at a time: at distance d it scores key i - d,
-    then is reflected by H_{i-d}. All queries move together (vectorised over i), so the loop runs
-    T times and builds the (T, T) logits explicitly."""
+    For each query i and key j <= i: logit_ij = scale q_i^T H_i H_{i-1} ... H_{j+1} k_j + G_i - G_j,
+    the product applied to q_i one reflection at a time, q^T H_t = q^T - beta_t (q . w_t) w_t^T.
+    Two Python loops over (i, j): the ground truth for tests at small T."""
+    scale, G = _defaults(q, beta, g, scale)
+    B, H, T, D = q.shape
+    f = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, w, beta = q.to(f), k.to(f), v.to(f), w.to(f), beta.to(f)
+    rows = []
+    for i in range(T):
+        qt, row = q[:, :, i], []                                   # (B, H, D): q_i^T H_i ... H_{j+1}
+        for j in range(i, -1, -1):
+            row.append(scale * (qt * k[:, :, j]).sum(-1))          # (B, H)
+            qt = qt - beta[:, :, j, None] * (qt * w[:, :, j]).sum(-1, keepdim=True) * w[:, :, j]
+        future = q.new_full((B, H, T - i - 1), -math.inf)          # keys after the query
+        rows.append(torch.cat([torch.stack(row[::-1], -1), future], -1))
+    logits = torch.stack(rows, 2)                                  # (B, H, T, T)
+    if G is not None:
+        logits = logits + (G[..., :, None] - G[..., None, :]).to(f)
+    return (logits.softmax(-1) @ v).to(v.dtype)
+
+
+def path_attention_carry(q, k, v, w, beta, g=None, scale=None):
+    """`path_attention_naive` with the loop over queries vectorised: every query is carried leftwards
+    at once, so one loop of T steps builds the (T, T) logits. A faster reference for tests."""
     scale, G = _defaults(q, beta, g, scale)
     B, H, T, D = q.shape
     f = torch.promote_types(q.dtype, torch.float32)

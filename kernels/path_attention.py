@@ -53,15 +53,12 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 CHUNK = 8   # R: blocks per chunk
-UT_WARPS = 4  # warps of the fused UT kernels: 4 measured faster than 8 on an H100 (7.8 vs 11.3 ms)
-# Warps and pipeline stages of the attention kernels at D = 64: one stage measured fastest for _fwd and
-# _bwd_dq (H100, T = 4096, fwd+bwd: 21.4 -> 20.5 -> 19.7 ms; 8 warps were slower or failed to launch),
-# except for their loop over a chunk's key tiles (plain FlashAttention work), which is pipelined with
-# 3 stages (`tl.range`): _fwd 3.3 -> 3.0 ms, _bwd_dq 3.7 -> 3.2 ms (2 or 4 stages there measured
-# slower), and _bwd_dq's loop over the earlier blocks of its chunk, pipelined with 2 stages: 2.80 ->
-# 2.45 ms (the same in _fwd: 2.7 -> 3.2 ms).
-# At D = 32 one stage gave NaN outputs for fp16/bf16 inputs (Triton 3.6, not understood), so every
-# other head dim keeps Triton's default (4 warps, 3 stages).
+UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf/path.md)
+# Warps and pipeline stages of the attention kernels at D = 64, each the fastest measured
+# (docs/perf/path.md): one stage for _fwd and _bwd_dq, except their loop over a chunk's key tiles
+# (`tl.range`, 3 stages) and _bwd_dq's loop over the earlier blocks of its chunk (2 stages).
+# Other head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs
+# for fp16/bf16 inputs on Triton 3.6.
 LAUNCH = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
               dkv=dict(num_warps=4, num_stages=3))
 
@@ -71,7 +68,7 @@ def launch(name: str, D: int) -> dict:
 
 
 # Blocks per key tile where a query state scores a whole chunk (_fwd, _bwd_dq): 128 keys at C = 64
-# measured 18.0-18.3 ms against 18.8-18.9 with 64 (H100, T = 4096, fwd+bwd)
+# measured faster than 64 (docs/perf/path.md)
 KEY_TILE = 2
 
 
@@ -315,7 +312,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
     if FOLD:
-        dkl16 = dkl.to(kh.dtype)   # 16-bit products: 0.1 ms less than TF32 (T = 4096, H100)
+        dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
         tl.store(DKL + dd, tl.dot(tl.trans(dkl16), kh, input_precision=PREC16))
     else:
@@ -331,10 +328,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
 # ---- the UT preprocessing of each block, fused (path_attention.ut_blocks is its PyTorch form) -------
 # One program per (block, batch*head) holds the block's C x C matrices in registers: T^-1 (built in
 # 16 x 16 pieces, `_tril_inverse`), then a dozen C x C and C x D products; the backward recomputes
-# all but T^-1, which the forward stores. Measured at B*H = 256, T = 4096, D = 64, bf16 on an H100:
-# 1.5 ms forward, 1.25 ms backward (4.9 ms forward with one 63-step substitution on the whole 64 x 64
-# matrix, 2.7 ms backward with float32 operands in registers: they spilled); ut_blocks took 7.9 and
-# 24.8 ms in an earlier measurement.
+# all but T^-1, which the forward stores (timings and the variants tried: docs/perf/path.md).
 
 @triton.jit
 def _mm(a, b, LP: tl.constexpr, dt):
@@ -471,9 +465,8 @@ class UTBlocks(torch.autograd.Function):
     per block in Triton. qh, kh and sd are those of `path_attention.ut_blocks`, M = W^T U per block
     (BH, T / C, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
     are rounded to it for the tensor cores later anyway), and so does sd: its gradient, which
-    autograd gives in sd's dtype, then costs half the memory traffic (the UT backward: 1.44 ->
-    1.25 ms at T = 4096 on an H100), and it is no less exact than the logits that the attention
-    kernels form from qh and kh. M is float32."""
+    autograd gives in sd's dtype, then costs half the memory traffic, and it is no less exact than
+    the logits that the attention kernels form from qh and kh. M is float32."""
 
     @staticmethod
     def forward(ctx, q, k, w, beta, scale, C):

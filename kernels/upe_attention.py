@@ -25,8 +25,8 @@ NG = NR - 1 columns, a multiple of 8, for the matmuls.
 
 QR is q R^T with R in reverse order, so that along a query's row the columns of consecutive keys are
 consecutive and ascending. The compiler then lays out the stores of the table gradient in the clip
-band along the keys, and they coalesce. In the natural order they ran backwards and were scattered:
-the dQ kernel took 10.5 ms at T = 4096 on an H100, against 6.5 ms reversed (same tiles).
+band along the keys, and they coalesce. In the natural order they ran backwards and were scattered
+(the dQ kernel's time: docs/perf/upe.md).
 """
 from __future__ import annotations
 
@@ -100,9 +100,9 @@ def _logits(a, b, ii, jj, lo, hi, shift, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, 
     table entries t of columns 0 and 2K of each query, used in the clipped runs; the band gathers.
     Keys with a slot (those in [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead.
     FOLD (`_bwd_dq`): the logits less shift (shaped like ii), with lo and hi passed as t qk_scale -
-    shift, so that a clipped logit costs one fma (`_bwd_dq` 5.9 -> 5.3 ms at T = 4096 on an H100).
-    `_fwd` and `_bwd_dkv` measured slower that way (6.0 and 7.3 ms against 3.3 and 6.1): in `_fwd`
-    the compiler moved every clipped tile of logits to another register layout, `_bwd_dkv` spilled."""
+    shift, so that a clipped logit costs one fma. `_fwd` and `_bwd_dkv` measured slower that way
+    (docs/perf/upe.md): in `_fwd` the compiler moved every clipped tile of logits to another
+    register layout, `_bwd_dkv` spilled."""
     s = tl.dot(a, tl.trans(b), input_precision=PREC)
     row = bh * T + ii                                        # the queries' table rows
     if MODE == 1:   # the cell of (i, j) is row(i) NR + K + j - i = bh T NR + i (NR - 1) + K + j
@@ -335,8 +335,8 @@ def _bwd_dkv(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, DO, LSE, DELTA, DK, DV, T
 # tile it walks over. D <= 64: the best of a sweep on an H100 at T = 4096, dq swept again after the
 # tables were reversed (docs/results/upe_tile_sweep.txt); D = 128: smaller tiles for the registers,
 # not swept.
-TABLE = (64, 128, 4)    # `_table`: rows per residue, columns per step, warps (0.67 ms at T = 4096 on
-                        # an H100, the best of nine settings; 32 x 64 took 0.76, 16 x 64 0.91 ms)
+TABLE = (64, 128, 4)    # `_table`: rows per residue, columns per step, warps (the best of nine
+                        # settings measured: docs/perf/upe.md)
 CONFIGS = {64: dict(fwd=(64, 64, 4, 3), dq=(64, 32, 4, 3), dkv=(64, 64, 4, 2)),       # D <= 64
            128: dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkv=(64, 32, 4, 2))}
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import path_attention as pa
-from path_attention import (FoxAttention, PathAttention, path_attention, path_attention_naive,
+from path_attention import (FoxAttention, PathAttention, path_attention, path_attention_carry, path_attention_naive,
                             path_attention_torch, path_decode_step)
 from model import ModelConfig
 
@@ -53,7 +53,8 @@ def reference(xs, do):
     UT path in float64 instead: it matches the naive one to rounding (test_torch_path_matches_naive)
     and takes seconds where the explicit D x D products per token pair take a minute at T = 1100."""
     xs64 = [None if x is None else x.detach().double().requires_grad_(True) for x in xs]
-    fn = path_attention_naive if xs[0].shape[2] <= 256 else path_attention_torch
+    T = xs[0].shape[2]
+    fn = path_attention_naive if T <= 32 else path_attention_carry if T <= 256 else path_attention_torch
     return run(fn, xs64, do.double())
 
 
@@ -92,6 +93,13 @@ def test_naive_equals_explicit_householder_products():
     want = logits.softmax(-1) @ v
     got = path_attention_naive(q, k, v, w, beta, g)
     assert torch.allclose(got, want, atol=1e-12), (got - want).abs().max()
+
+
+def test_carry_equals_naive():
+    """The vectorised reference against the literal one, forward and every gradient, float64."""
+    xs = make_inputs(2, 2, 13, 5)
+    do = torch.randn(2, 2, 13, 5, dtype=torch.float64)
+    check(run(path_attention_carry, xs, do), run(path_attention_naive, xs, do), names_for(xs), 1e-12)
 
 
 def test_naive_gradcheck():

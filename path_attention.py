@@ -60,7 +60,7 @@ from model import Method
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
 
-def _defaults(q, beta, g, scale):
+def _defaults(q, g, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     f = torch.promote_types(q.dtype, torch.float32)              # float64 stays float64
     G = None if g is None else g.to(f).cumsum(-1)                # (B, H, T) cumulative log gate
@@ -77,7 +77,7 @@ def path_attention_naive(q, k, v, w, beta, g=None, scale=None):
     For each query i and key j <= i: logit_ij = scale q_i^T H_i H_{i-1} ... H_{j+1} k_j + G_i - G_j,
     the product applied to q_i one reflection at a time, q^T H_t = q^T - beta_t (q . w_t) w_t^T.
     Two Python loops over (i, j): the ground truth for tests at small T."""
-    scale, G = _defaults(q, beta, g, scale)
+    scale, G = _defaults(q, g, scale)
     B, H, T, D = q.shape
     f = torch.promote_types(q.dtype, torch.float32)
     q, k, v, w, beta = q.to(f), k.to(f), v.to(f), w.to(f), beta.to(f)
@@ -98,7 +98,7 @@ def path_attention_naive(q, k, v, w, beta, g=None, scale=None):
 def path_attention_carry(q, k, v, w, beta, g=None, scale=None):
     """`path_attention_naive` with the loop over queries vectorised: every query is carried leftwards
     at once, so one loop of T steps builds the (T, T) logits. A faster reference for tests."""
-    scale, G = _defaults(q, beta, g, scale)
+    scale, G = _defaults(q, g, scale)
     B, H, T, D = q.shape
     f = torch.promote_types(q.dtype, torch.float32)
     q, k, v, w, beta = q.to(f), k.to(f), v.to(f), w.to(f), beta.to(f)
@@ -164,7 +164,7 @@ def _pad_time(C, *xs):
 def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     """The blockwise algorithm of the Triton kernel in plain PyTorch (autograd for the backward).
     Builds the (T, T) logits, so it is for CPU-sized problems; same contract as the naive one."""
-    scale, G = _defaults(q, beta, g, scale)
+    scale, G = _defaults(q, g, scale)
     B, H, T, D = q.shape
     q, k, v, w, beta = _pad_time(block, q, k, v, w, beta)
     Tp, C = q.shape[2], block

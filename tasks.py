@@ -72,11 +72,17 @@ class Task:
                              f"(lengths must be integers >= {self.min_length})")
 
     def check_opts(self, opts: dict) -> None:
+        """Names and types; the values' ranges are checked where the task samples with them."""
         allowed = self.options()
-        for k in opts:
+        params = inspect.signature(self._sample).parameters
+        for k, v in opts.items():
             if k not in allowed:
                 raise ValueError(f"task {self.name} has no option {k!r} "
                                  f"(options: {', '.join(allowed) or 'none'})")
+            kind = int if params[k].default is None else type(params[k].default)   # None: a width
+            if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+                raise ValueError(f"task {self.name}: option {k} must be a{'n' if kind is int else ''} "
+                                 f"{kind.__name__}, got {v!r}")
 
     def options(self) -> list[str]:
         params = inspect.signature(self._sample).parameters

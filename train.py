@@ -17,12 +17,16 @@ Shapes: B batch, T time, V vocabulary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -252,6 +256,10 @@ def validate(cfg: TrainConfig) -> Task:
         task.check_opts(cfg.task_opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    for flag, value, ok, need in numeric_checks(cfg):
+        if not ok:
+            raise UsageError(f"{flag} must be {need}, got {value}")
+    check_writable(Path(cfg.out))
     unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
     if unknown:
         valid = ", ".join(METHODS[cfg.method].options) or "none"
@@ -260,19 +268,48 @@ def validate(cfg: TrainConfig) -> Task:
         raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
         raise UsageError(f"d_model {cfg.model.d_model} is not a multiple of n_heads {cfg.model.n_heads}")
+    rng, samples = np.random.default_rng(0), []    # the task's options in use: a few examples
+    for L in (max(cfg.train_lengths or task.train_lengths), max(cfg.test_lengths or task.test_lengths)):
+        for vopts in [{}] + list(task.variants.values()):            # training, then each evaluation
+            try:
+                samples.append(task.sample(16, L, rng, **{**cfg.task_opts, **vopts}))
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"task {cfg.task!r} with {cfg.task_opts}: {e}") from None
     try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
         layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
-        if hasattr(layer, "check_context"):                # e.g. UPE: the task's slots against upe_slots
-            rng = np.random.default_rng(0)
-            for L in (max(cfg.train_lengths or task.train_lengths), max(cfg.test_lengths or task.test_lengths)):
-                for vopts in (task.variants or {None: {}}).values():
-                    batch = task.sample(16, L, rng, **{**cfg.task_opts, **vopts})
-                    layer.check_context(batch_context(task, batch, "cpu"))
-    except ValueError as e:
+        for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots against upe_slots
+            layer.check_context(batch_context(task, batch, "cpu"))
+    except (ValueError, TypeError) as e:
         raise UsageError(f"method {cfg.method!r}: {e}") from None
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.n_eval < 1:
-        raise UsageError("steps, batch size and n_eval must be positive")
     return task
+
+
+def check_writable(out: Path):
+    """The output folder, or its nearest existing parent, takes a file (tried with a temporary one),
+    so that a run never trains to lose its results."""
+    top = out.resolve()
+    while not top.exists():
+        top = top.parent
+    try:
+        if not top.is_dir():
+            raise NotADirectoryError(f"{top} is not a folder")
+        tempfile.TemporaryFile(dir=top).close()
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write there ({e})") from None
+
+
+def numeric_checks(cfg: TrainConfig):
+    """(flag, value, within range, the range in words) for every number a run reads."""
+    m = cfg.model
+    return [("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
+            ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
+            ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+            ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
+            ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
+            ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
+            ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
 
 
 def check_method(method: str):
@@ -292,14 +329,45 @@ def save_atomic(obj, path: Path):
     """Write to a temporary file, then rename: a crash never leaves half a file. Strings are
     written as text, dicts to .json as JSON, anything else with torch.save."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if isinstance(obj, str):
-        tmp.write_text(obj)
-    elif path.suffix == ".json":
-        tmp.write_text(json.dumps(obj, indent=1))
-    else:
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(obj, str):
+                f.write(obj.encode())
+            elif path.suffix == ".json":
+                f.write(json.dumps(obj, indent=1).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def lock_run(run_dir: Path) -> Path:
+    """Take <run>/run.lock (holding this process's pid) or refuse: another live process trains this
+    run. A lock left by a process that is gone is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "run.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+                if pid <= 0:
+                    raise ValueError("no pid")
+                os.kill(pid, 0)                       # raises if no such process
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)          # stale
+                continue
+            except PermissionError:                   # alive, owned by another user
+                pass
+            raise UsageError(f"{run_dir} is in use by process {pid} (remove {lock} if that is wrong)") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return lock
+    raise UsageError(f"cannot take {lock}")
 
 
 CKPT = "checkpoint.pt"
@@ -317,14 +385,24 @@ def load_checkpoint(cfg: TrainConfig) -> dict:
         assert isinstance(saved, dict) and "model" in ckpt
     except Exception as e:  # any unreadable file is reported the same way
         raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
-    mine = asdict(cfg)
-    diff = [k for k in RESUME_KEYS if saved.get(k) != mine[k]]
+    diff = config_diff(saved, asdict(cfg), RESUME_KEYS)
     if diff:
-        detail = "; ".join(f"{k}: checkpoint {saved.get(k)} vs now {mine[k]}" for k in diff)
-        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({detail})")
+        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
     if ckpt["step"] > cfg.steps:
         raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
     return ckpt
+
+
+def config_diff(old: dict, new: dict, keys) -> str:
+    """'model.d_model: 32 -> 64; seed: 0 -> 1' for the fields (and model sub-fields) that differ."""
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{s}: {a.get(s)} -> {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+        elif a != b:
+            out.append(f"{k}: {a} -> {b}")
+    return "; ".join(out)
 
 
 class NaNLoss(Exception):
@@ -459,9 +537,58 @@ def set_lr(opt, lr: float):
             g["lr"] = lr * g["lr_scale"]
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run between two steps, after it wrote its checkpoint."""
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
+    instead of interrupting wherever Python happens to be (only the main thread gets signals)."""
+    flag = {"stop": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    old = {s: signal.signal(s, lambda num, frame: flag.update(stop=num)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def check_run_folder(cfg: TrainConfig, resume: bool):
+    """A run folder that holds a run with other task or method options is refused (--tag keeps both)."""
+    for name in ("metrics.json", CKPT):
+        path = cfg.run_dir() / name
+        if resume or not path.exists():
+            continue
+        try:
+            saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
+                torch.load(path, map_location="cpu", weights_only=False)["config"]
+        except Exception:   # an unreadable old file is overwritten, as before
+            continue
+        diff = config_diff({"task_opts": saved.get("task_opts"), "opts": saved.get("model", {}).get("opts")},
+                           {"task_opts": cfg.task_opts, "opts": cfg.model.opts}, ["task_opts", "opts"])
+        if diff:
+            raise UsageError(f"{cfg.run_dir()} holds a run with other options ({diff}); give --tag to keep both")
+        return
+
+
 def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
-    """Train one model, evaluate it, write metrics.json and model.pt; return the metrics."""
+    """Train one model, evaluate it, write metrics.json and model.pt; return the metrics. The run's
+    folder is locked while it trains."""
     task = validate(cfg)
+    check_run_folder(cfg, resume)
+    lock = lock_run(cfg.run_dir())
+    try:
+        with stop_signals() as flag:
+            return fit(cfg, task, resume, log, flag)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     device = resolve_device(cfg.device)
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
     ckpt = load_checkpoint(cfg) if resume else None
@@ -510,14 +637,21 @@ def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
         for k, v in enumerate(values):
             if not math.isfinite(v):
                 last = losses[-1][1] if losses else None
-                raise NaNLoss(f"loss is {v} at step {first + k - 1}; last finite loss "
-                              f"{'none' if last is None else f'{last:.4g}'} "
-                              f"(the last checkpoint in {cfg.run_dir()} is kept)")
+                kept = (cfg.run_dir() / CKPT).exists()
+                raise NaNLoss(f"loss is {v} at step {first + k} (counted as in the progress lines); last finite "
+                              f"loss {'none' if last is None else f'{last:.4g}'} ("
+                              + (f"the last checkpoint in {cfg.run_dir()} is kept)" if kept else "no checkpoint written)"))
             losses.append([first + k, v])
         pending.clear()
 
     stream = batches(cfg, task, train_lengths, step)
     while step < cfg.steps:
+        if flag["stop"]:
+            flush()
+            wall = time.time() - t0
+            checkpoint()
+            raise Interrupted(f"stopped by signal {flag['stop']} after step {step}, checkpoint written: "
+                              "continue with the same command and --resume")
         if step == warm:
             flush()
             mark = (step, time.time(), waited)
@@ -623,21 +757,27 @@ def make_config(values: dict, preset_name: str) -> TrainConfig:
 # CLI
 # =============================================================================================
 
-def parse_list(text: str | None, kind=str) -> list | None:
+def parse_list(text: str | None, kind=str, flag: str = "") -> list | None:
+    """'1-4,8' -> [1, 2, 3, 4, 8]; None stays None (the default); an empty list is an error."""
     if text is None:
         return None
-    try:
-        out = []
-        for part in text.split(","):
-            part = part.strip()
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
             if kind is int and "-" in part[1:]:
-                lo, hi = part.split("-")
-                out += list(range(int(lo), int(hi) + 1))
+                lo, hi = (int(x) for x in part.split("-"))
+                if lo > hi:
+                    raise UsageError(f"{flag}: the range {part} runs backwards (write {hi}-{lo})")
+                out += list(range(lo, hi + 1))
             elif part:
                 out.append(kind(part))
-        return out
-    except ValueError:
-        raise UsageError(f"cannot read {text!r} as a comma-separated list of {kind.__name__}s (ranges like 1-16 allowed)") from None
+        except ValueError:
+            raise UsageError(f"{flag}: cannot read {text!r} as a comma-separated list of {kind.__name__}s "
+                             "(ranges like 1-16 allowed)") from None
+    if not out:
+        raise UsageError(f"{flag}: the list is empty")
+    return out
 
 
 def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
@@ -707,8 +847,11 @@ def main(argv=None) -> int:
     except NaNLoss as e:
         print(f"error: training stopped: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
-        print("\ninterrupted; continue with the same command and --resume", file=sys.stderr)
+        print("\ninterrupted; --resume continues from the run's last checkpoint, if it wrote one", file=sys.stderr)
         return 130
 
 
@@ -736,17 +879,18 @@ def run_cli(args) -> int:
     import experiments   # imports this module: at call time, so that the import runs one way
     if args.reproduce:
         return experiments.reproduce(args, device, preset_name)
-    methods = parse_list(args.methods) or ([args.method] if args.method else None)
+    methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
     for m in methods:
         check_method(m)
-    seeds = parse_list(args.seeds, int)
+    seeds = parse_list(args.seeds, int, "--seeds")
     values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   warmup=args.warmup, weight_decay=args.weight_decay, curriculum=args.curriculum,
-                  train_lengths=parse_list(args.train_lengths, int), test_lengths=parse_list(args.test_lengths, int),
+                  train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
+                  test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
                   compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},

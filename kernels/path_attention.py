@@ -617,7 +617,7 @@ class PathScan(torch.autograd.Function):
         DV = v.shape[-1]
         n = T // C
         n_intra, n_inter = n_states(n, R)
-        save = torch.is_grad_enabled() or any(ctx.needs_input_grad)
+        save = any(ctx.needs_input_grad)
         # float32 input: exact float32 products everywhere; 16-bit input: tensor-core products of the
         # input dtype, and TF32 for the float32 transport products of the carried query state
         prec, prec16 = ("ieee", "ieee") if v.dtype == torch.float32 else ("tf32", None)

@@ -224,7 +224,7 @@ def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch):
         loss = real(*a, **k)
         return loss * float("nan") if calls["n"] == 4 else loss
     monkeypatch.setattr(train.F, "cross_entropy", nan_at_4)
-    with pytest.raises(train.NaNLoss, match=r"at step 3; last finite loss \d"):
+    with pytest.raises(train.NaNLoss, match=r"at step 4 \(counted as in the progress lines\); last finite loss \d"):
         train.train(tiny_config(tmp_path), log=lambda *_: None)
 
 
@@ -246,12 +246,109 @@ def run_cli(capsys, *args):
     (["--task", "mqrar", "--method", "rope", "--task-opt", "nback=2"], "has no option 'nback'"),
     (["--task", "copy", "--method", "rope", "--n-heads", "3"], "not a multiple of n_heads 3"),
     (["--reproduce", "nothing"], "unknown experiment 'nothing'"),
+    (["--task", "mqrar", "--method", "rope", "--task-opt", "n_back=abc"], "option n_back must be an int, got 'abc'"),
+    (["--task", "mqrar", "--method", "rope", "--task-opt", "n_back=99"], "n_back must be in 1..8, got 99"),
+    (["--task", "flipflop", "--method", "rope", "--task-opt", "p_ignore=2"], "p_ignore must be in [0, 1), got 2"),
+    (["--task", "mul_padded", "--method", "rope", "--task-opt", "multiplier_digits=4"], "must be 1, 2 or 3, got 4"),
+    (["--task", "copy", "--method", "rope", "--seeds", ""], "--seeds: the list is empty"),
+    (["--task", "copy", "--method", "nope", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--task", "copy", "--method", "nope", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--task", "copy", "--method", "rope", "--train-lengths", "10-1"], "the range 10-1 runs backwards"),
+    (["--task", "copy", "--method", "rope", "--train-lengths", ""], "--train-lengths: the list is empty"),
+    (["--task", "parity", "--method", "vipe", "--method-opt", "vipe_modee=value"],
+     "method 'vipe' has no option 'vipe_modee' (--method-opt); its options: vipe_mode, vipe_dp"),
+    (["--task", "copy", "--method", "rope", "--method-opt", "prism_alpha=2"], "its options: none"),
     (["--task", "copy"], "give --task and --method"),
 ])
 def test_cli_errors_are_one_line(capsys, tmp_path, args, message):
     code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "runs"), "--device", "cpu")
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_cli_refuses_an_output_folder_it_cannot_write(capsys, tmp_path):
+    """Checked before training: a path below a file (a folder root can write to whatever its mode)."""
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(tmp_path / "file" / "runs"))
+    assert code == 2 and "cannot write there" in err and "is not a folder" in err and err.count("\n") == 1
+
+
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """SIGINT during step 7: the run finishes that step, writes its checkpoint and says so; --resume
+    then gives the weights of the run that was never interrupted."""
+    import os
+    import signal
+    full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
+    train.train(full, log=lambda *_: None)
+    real, calls = train.Step.__call__, {"n": 0}
+
+    def signal_at_7(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", signal_at_7)
+    part = tiny_config(tmp_path / "b", method="ape", ape_shift=8)
+    with pytest.raises(train.Interrupted, match="after step 7, checkpoint written"):
+        train.train(part, log=lambda *_: None)
+    monkeypatch.setattr(train.Step, "__call__", real)
+    assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 7
+    assert not (part.run_dir() / "run.lock").exists()
+    train.train(part, resume=True, log=lambda *_: None)
+    assert same_run(full, part)
+
+
+def test_nan_stop_without_a_checkpoint_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    with pytest.raises(train.NaNLoss, match=r"at step 1 .*last finite loss none \(no checkpoint written\)"):
+        train.train(tiny_config(tmp_path), log=lambda *_: None)
+
+
+def test_a_run_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    import subprocess
+    import sys
+    cfg = tiny_config(tmp_path)
+    lock = cfg.run_dir() / "run.lock"
+    lock.parent.mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lock.write_text(str(other.pid))                     # a live process holds it
+        with pytest.raises(train.UsageError, match=f"is in use by process {other.pid}"):
+            train.train(cfg, log=lambda *_: None)
+    finally:
+        other.kill()
+        other.wait()
+    train.train(cfg, log=lambda *_: None)                   # its process is gone: a stale lock
+    assert (cfg.run_dir() / "metrics.json").exists() and not lock.exists()
+
+
+def test_concurrent_atomic_writes_do_not_collide(tmp_path):
+    """Two threads writing the same file 300 times each: every write lands whole, no temporary left."""
+    import threading
+    path, errors = tmp_path / "m.json", []
+
+    def writer(k):
+        try:
+            for i in range(300):
+                train.save_atomic({"writer": k, "i": i}, path)
+        except Exception as e:      # noqa: BLE001  the test reports any failure
+            errors.append(e)
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and json.loads(path.read_text())["i"] == 299 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_run_with_other_options_does_not_overwrite_a_run(capsys, tmp_path):
+    tiny = ["--task", "mul_padded", "--method", "rope", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+            "--steps", "3", "--batch-size", "8", "--n-eval", "4", "--test-lengths", "5", "--device", "cpu",
+            "--out", str(tmp_path)]
+    assert run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=1")[0] == 0
+    code, _, err = run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=3")
+    assert code == 2 and "holds a run with other options (task_opts.multiplier_digits: 1 -> 3)" in err
+    assert run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=3", "--tag", "m3")[0] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -302,7 +399,7 @@ def test_cli_resume_errors(capsys, tmp_path):
     assert run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out))[0] == 0
     ckpt = out / "copy" / "rope" / "seed0" / "checkpoint.pt"
     code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume", "--d-model", "64")
-    assert code == 2 and "belongs to a different run (model:" in err
+    assert code == 2 and "belongs to a different run (model.d_model: 32 -> 64)" in err and len(err) < 200
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")
     assert code == 2 and "corrupt or unreadable" in err and err.count("\n") == 1

@@ -332,6 +332,15 @@ class PrismAttention(nn.Module):
         self.mu_logit = nn.Parameter(torch.zeros(H))                     # mu = 0.5 at the start
         O, alpha = int(cfg.opts.get("prism_cursors", 4)), float(cfg.opts.get("prism_alpha", ALPHA_INIT))
         self.alpha = nn.Parameter(torch.full((H, O), alpha))             # cursor scales (own AdamW group)
+        self.P = int(cfg.opts.get("prism_bins", 256))
+
+    def check_context(self, ctx):
+        """A sequence longer than the bins would clamp every cursor past bin P - 1 (the paper uses
+        as many bins as positions); train.py calls this on sample batches before a run."""
+        T = ctx["tokens"].shape[1]
+        if T > self.P:
+            raise ValueError(f"sequences of {T} tokens need at least as many bins (prism_bins = {self.P}): "
+                             f"set --method-opt prism_bins={T} or more")
 
     def forward(self, x, ctx):
         if "prism" not in ctx:

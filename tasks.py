@@ -223,21 +223,29 @@ def a5_table() -> np.ndarray:
     return table
 
 
+A5_GENERATORS = ["23145", "31245", "24315", "41325", "25341", "51342"]  # (1 2 3), (1 2 4), (1 2 5), inverses
+
+
 class A5(Task):
-    """A5 word problem (Merrill et al. 2024; PaTH Fig. 2). Causal tagging.
+    """A5 word problem (PaTH Fig. 2: "a sequence of group operations using fixed generators and
+    their inverses"; Merrill et al. 2024). Causal tagging.
 
-    Tokens are the 60 elements of A5 in one-line notation ("12345" is the identity, id 0).
-    The target at position t is the running product x_1 x_2 ... x_t with (a*b)[i] = a[b[i]].
-    `length` = number of group elements; train 20 as in the paper (solved = accuracy above 90 %),
-    test 10, 20, 30, 40.
+    Inputs (option alphabet): "generators" (default, the PaTH paper's text) draws each token from the
+    6 permutations g1 = (1 2 3), g2 = (1 2 4), g3 = (1 2 5) and their inverses; "elements" from all
+    60 elements of A5, as in Merrill et al. Tokens are permutations in one-line notation ("12345"
+    is the identity, id 0). The target at position t is the running product x_1 x_2 ... x_t with
+    (a*b)[i] = a[b[i]], one of 60 classes. `length` = number of tokens; train 20 as in the paper
+    (solved = accuracy above 90 %), test 10, 20, 30, 40.
 
-    Example:  x = 23145 13425    y = 23145 21435    (23145 * 13425 = 21435)
+    Example (generators):  x = 23145 24315 51342    y = 23145 34125 53124
+    Example (elements):    x = 23145 13425          y = 23145 21435    (23145 * 13425 = 21435)
     Vocabulary: the 60 permutations, then <pad> (id 60).
     """
     name = "a5"
     vocab = ["".join(map(str, p)) for p in a5_elements()] + ["<pad>"]
     train_lengths = [20]
     test_lengths = [10, 20, 30, 40]
+    ALPHABETS = ("generators", "elements")
 
     def build(self, elems: np.ndarray) -> Batch:
         """elems: (n, L) element ids -> targets = running products."""
@@ -248,8 +256,13 @@ class A5(Task):
         return Batch(torch.from_numpy(elems.astype(np.int64)), torch.from_numpy(prod),
                      torch.full((len(elems),), elems.shape[1], dtype=torch.long))
 
-    def _sample(self, n, length, rng):
-        return self.build(rng.integers(0, 60, size=(n, length)))
+    def _sample(self, n, length, rng, alphabet="generators"):
+        if alphabet not in self.ALPHABETS:
+            raise ValueError(f"task a5: alphabet must be one of {', '.join(self.ALPHABETS)}, got {alphabet!r}")
+        if alphabet == "elements":
+            return self.build(rng.integers(0, 60, size=(n, length)))
+        gens = np.array([self.stoi[g] for g in A5_GENERATORS])
+        return self.build(gens[rng.integers(0, len(gens), size=(n, length))])
 
 
 class MQRAR(Task):

@@ -277,8 +277,8 @@ def validate(cfg: TrainConfig) -> Task:
                 raise UsageError(f"task {cfg.task!r} with {cfg.task_opts}: {e}") from None
     try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
         layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
-        for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots against upe_slots
-            layer.check_context(batch_context(task, batch, "cpu"))
+        for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots; PRISM: bins
+            layer.check_context({**batch_context(task, batch, "cpu"), "tokens": batch.x})
     except (ValueError, TypeError) as e:
         raise UsageError(f"method {cfg.method!r}: {e}") from None
     return task

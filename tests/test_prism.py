@@ -339,3 +339,13 @@ def test_copy_branch_in_the_model():
     ctx = {}
     hooks.before_block(0, h, ctx)
     assert ctx["prism_hist"][0, 0].argmax(-1).tolist() == [3] * 8        # query cursor 0 of head 0
+
+
+def test_fewer_bins_than_positions_is_refused(capsys, tmp_path):
+    """The paper uses as many bins as positions; a task whose sequences are longer than prism_bins
+    is a one-line error before training (mul_cot's test sequences have over 1,100 tokens)."""
+    from train import main as train_main
+    code = train_main(["--task", "mul_cot", "--method", "prism", "--device", "cpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "need at least as many bins (prism_bins = 256)" in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())

@@ -121,6 +121,28 @@ def test_a5_group():
     assert [a5.vocab[i] for i in batch.y[0].tolist()] == ["23145", "21435"]
     in_doc(a5, "x = 23145 13425")
     in_doc(a5, "y = 23145 21435")
+    gens = [a5.stoi[g] for g in ("23145", "24315", "51342")]
+    assert [a5.vocab[i] for i in a5.build(np.array([gens])).y[0].tolist()] == ["23145", "34125", "53124"]
+    in_doc(a5, "x = 23145 24315 51342")
+    in_doc(a5, "y = 23145 34125 53124")
+
+
+def test_a5_generator_alphabet():
+    """The default draws the 6 generators (the three 3-cycles (1 2 k) and their inverses, each
+    about equally often); alphabet=elements draws all 60 elements."""
+    a5 = TASKS["a5"]
+    perm = lambda s: tuple(int(c) for c in s)  # noqa: E731
+    for g, inv in zip(tasks.A5_GENERATORS[0::2], tasks.A5_GENERATORS[1::2]):
+        p, q = perm(g), perm(inv)
+        assert tuple(p[q[i] - 1] for i in range(5)) == (1, 2, 3, 4, 5)          # g * g^-1 = identity
+        assert sum(p[i] != i + 1 for i in range(5)) == 3                        # a 3-cycle
+    x = a5.sample(200, 20, rng()).x
+    counts = np.bincount(x.flatten().numpy(), minlength=61)
+    assert set(np.nonzero(counts)[0]) == {a5.stoi[g] for g in tasks.A5_GENERATORS}
+    assert counts.max() < 1.2 * counts[counts > 0].min()                       # 4000 draws, 6 classes
+    assert len(set(a5.sample(200, 20, rng(), alphabet="elements").x.flatten().tolist())) == 60
+    with pytest.raises(ValueError, match="alphabet must be one of generators, elements"):
+        a5.sample(2, 3, rng(), alphabet="letters")
 
 
 # ---- invariants on random samples -------------------------------------------------------------

@@ -198,6 +198,7 @@ class Method:
     param_groups: Callable | None = None   # optional fn(model, base_lr) -> extra optimiser groups
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
     options: tuple = ()            # the keys of cfg.opts the method reads (--method-opt)
+    test_time_s: bool = False      # reads ctx["s"] (ViPE): evaluated under every rule for s
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:

@@ -103,13 +103,25 @@ def greedy_decode(model, task: Task, batch: Batch, device="cpu") -> torch.Tensor
     return correct
 
 
+S_RULES = ("fixed", "per_length", "one")
+
+
+def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
+    """ViPE's test-time factor s (SPEC 7.3): "fixed" s = test_max / train_max for every length (the
+    paper's eq. 7, after a short fine-tuning with it), "per_length" s = max(1, L / train_max),
+    "one" s = 1. Encodings other than ViPE do not read s."""
+    return {"fixed": max(1.0, test_max / train_max), "per_length": max(1.0, L / train_max), "one": 1.0}[rule]
+
+
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
-             train_max: int | None = None, batch_size: int = 256) -> list[dict]:
+             train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
+             stream: int = 1) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
-    own generator, so evaluating never changes the training data stream."""
+    own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
+    so evaluating never changes the training data stream."""
     model.eval()
-    rng = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([seed, stream])
     rows = []
     variants = task.variants or {None: {}}
     for L in lengths:
@@ -117,7 +129,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
             n_exact = n_right = n_sup = 0
             for start in range(0, n, batch_size):
                 batch = task.sample(min(batch_size, n - start), L, rng, **{**(task_opts or {}), **vopts})
-                s = max(1.0, L / train_max) if train_max else 1.0
+                s = compression(s_rule, L, train_max, max(lengths)) if train_max else 1.0
                 with autocast(device):
                     logits = model(batch.x.to(device), batch_context(task, batch, device, s))
                 exact, right, sup = score(logits.float(), batch.y.to(device))
@@ -158,6 +170,8 @@ class TrainConfig:
     curriculum: bool = False          # grow the maximum training length over the first half
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
+    s_rule: str = "fixed"             # ViPE's test-time s: fixed | per_length | one (see `compression`)
+    finetune_steps: int = 0           # ViPE: steps trained with the fixed s before the final evaluation
     ckpt_every: int = 500             # write a checkpoint every this many steps
     log_every: float = 5.0            # seconds between progress lines
     device: str = "auto"              # auto | cpu | cuda
@@ -307,6 +321,8 @@ def numeric_checks(cfg: TrainConfig):
             ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
             ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
+            ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
             ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
@@ -431,12 +447,12 @@ class TrainBatches(torch.utils.data.Dataset):
                             **cfg.task_opts)
 
 
-def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int):
-    """The batches of steps start .. cfg.steps - 1, in order; with cfg.workers > 0 made by that many
+def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: int | None = None):
+    """The batches of steps start .. end - 1 (default cfg.steps - 1), in order; with cfg.workers > 0 made by that many
     processes, up to 4 batches each ahead of the step. Workers send numpy arrays: one pickled
     message per batch, where torch tensors would each pass a shared-memory file descriptor."""
     loader = torch.utils.data.DataLoader(
-        TrainBatches(cfg, task, lengths), batch_size=None, sampler=range(start, cfg.steps),
+        TrainBatches(cfg, task, lengths), batch_size=None, sampler=range(start, end or cfg.steps),
         num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None, collate_fn=to_numpy,
         generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
     return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
@@ -457,8 +473,9 @@ class Step:
 
     BUCKET = 32
 
-    def __init__(self, model, fwd, opt, cfg: TrainConfig, task: Task, device: str):
+    def __init__(self, model, fwd, opt, cfg: TrainConfig, task: Task, device: str, s: float = 1.0):
         self.model, self.fwd, self.opt, self.cfg, self.task, self.device = model, fwd, opt, cfg, task, device
+        self.s = s                              # ViPE's compression: 1 in training, the fixed s in fine-tuning
         self.pad = cfg.graphs or cfg.compile    # compiled models: a few shapes, so a few compilations
         self.buffers, self.graphs = {}, {}      # padded length -> static (x, y, slot); -> (graph, loss)
 
@@ -479,7 +496,7 @@ class Step:
         if not self.pad:
             self.opt.zero_grad(set_to_none=True)
             return self.body(batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True),
-                             batch_context(self.task, batch, self.device))
+                             batch_context(self.task, batch, self.device, self.s))
         T = -(-batch.x.shape[1] // self.BUCKET) * self.BUCKET
         if T not in self.buffers:
             self.buffers[T] = [None if t is None else torch.empty(len(t), T, dtype=torch.long, device=self.device)
@@ -493,7 +510,7 @@ class Step:
             graph, loss = self.graphs[T]
             graph.replay()
             return loss.clone()
-        ctx = {"s": 1.0} if slot is None else {"s": 1.0, "slot": slot, "slot_max": int(batch.slot.max())}
+        ctx = {"s": self.s} if slot is None else {"s": self.s, "slot": slot, "slot_max": int(batch.slot.max())}
         self.opt.zero_grad(set_to_none=True)
         if not self.cfg.graphs:
             return self.body(x, y, ctx)
@@ -681,8 +698,17 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     wall, loop = time.time() - t0, time.time() - mark[1]
     del stream                                   # stops the data workers
 
-    rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
     train_max = max(train_lengths)
+    ablations = {}                               # ViPE: the other rules for s, before any fine-tuning
+    if METHODS[cfg.method].test_time_s:
+        ablations = {rule: evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts,
+                                    train_max, s_rule=rule) for rule in S_RULES if rule != cfg.s_rule}
+        if cfg.s_rule == "fixed" and cfg.finetune_steps:
+            finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
+                     compression("fixed", train_max, train_max, max(test_lengths)))
+            log(f"  fine-tuned {cfg.finetune_steps} steps with s = {max(test_lengths)} / {train_max}")
+    rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, train_max,
+                    s_rule=cfg.s_rule)
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
@@ -693,11 +719,29 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
     }
+    if ablations:
+        metrics["eval_ablations"] = ablations
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")
     log(results_table(rows, train_max))
     return metrics
+
+
+def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, s: float):
+    """ViPE's fine-tuning with compressed distances (the paper's eq. 7): cfg.finetune_steps more
+    steps of the same data stream at the final learning rate, every attention call with s."""
+    step = Step(model, fwd, opt, cfg, task, device, s=s)
+    set_lr(opt, cfg.lr * cfg.min_lr_ratio)
+    losses = []
+    for k, batch in enumerate(batches(cfg, task, lengths, cfg.steps, cfg.steps + cfg.finetune_steps)):
+        if flag["stop"]:
+            raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from the "
+                              f"checkpoint at step {cfg.steps} and fine-tunes again")
+        losses.append(step(batch))
+    last = torch.stack(losses).tolist()[-1] if losses else 0.0
+    if not math.isfinite(last):
+        raise NaNLoss(f"loss is {last} at the end of fine-tuning (the checkpoint at step {cfg.steps} is kept)")
 
 
 def device_name(device: str) -> str:

@@ -36,7 +36,7 @@ Usage:
 
     from vipe import vipe_attention, ViPEAttention
     z = vipe_attention(q, k, v, u, w_p, b_p, s=1.0)   # (B, H, T, Dv + d_p)
-    layer = ViPEAttention(cfg)                       # reads ctx["s"] at evaluation time
+    layer = ViPEAttention(cfg)                       # reads ctx["s"] (default 1)
 
 Options (cfg.opts, from `--method-opt`): vipe_mode = "both" | "value" (the value code alone, no
 rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8).
@@ -155,8 +155,9 @@ def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
 
 class ViPEAttention(nn.Module):
     """Causal multi-head ViPE attention. The value head has D - 1 channels (so v (+) i is D wide for
-    SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. At evaluation
-    the model passes ctx["s"] = L_test / L_train_max (at least 1)."""
+    SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. It uses
+    ctx["s"] as given (default 1): train.py passes 1 in training, the fixed s = L_test_max /
+    L_train_max in the fine-tuning stage, and at evaluation the s of the run's rule (`train.compression`)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -178,11 +179,11 @@ class ViPEAttention(nn.Module):
 
     def forward(self, x, ctx=None):
         B, T, C = x.shape
-        s = float((ctx or {}).get("s", 1.0)) if not self.training else 1.0
+        s = float((ctx or {}).get("s", 1.0))
         q, k = self.qk(x).view(B, T, 2, self.H, self.D).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, D)
         v = self.v(x).view(B, T, self.H, self.Dv).transpose(1, 2)               # (B, H, T, D - 1)
         z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, rescale=self.mode != "value")
         return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
-VIPE = Method(ViPEAttention, causal_only=True, options=("vipe_mode", "vipe_dp"))
+VIPE = Method(ViPEAttention, causal_only=True, options=("vipe_mode", "vipe_dp"), test_time_s=True)

@@ -139,18 +139,50 @@ def cfg(**opts):
     return ModelConfig(vocab_size=10, d_model=32, n_heads=2, causal=True, method="vipe", opts=opts)
 
 
-def test_layer_reads_s_only_at_evaluation():
+def test_layer_uses_s_as_given():
+    """Training and evaluation alike (fine-tuning trains with the compressed distances); 1 by default."""
     torch.manual_seed(0)
     layer = ViPEAttention(cfg())
     with torch.no_grad():
         layer.u.normal_()
         layer.w_p.normal_()
     x = torch.randn(2, 10, 32)
-    train_out = layer(x, {"s": 3.0})
-    assert torch.allclose(train_out, layer(x, {"s": 1.0}))                  # training: s = 1 always
-    layer.eval()
-    assert torch.allclose(layer(x, {"s": 1.0}), train_out)
-    assert not torch.allclose(layer(x, {"s": 3.0}), train_out, atol=1e-3)   # evaluation: s is used
+    for training in (True, False):
+        layer.train(training)
+        assert torch.allclose(layer(x, {}), layer(x, {"s": 1.0}))
+        assert not torch.allclose(layer(x, {"s": 3.0}), layer(x, {"s": 1.0}), atol=1e-3)
+
+
+def test_the_three_rules_for_s():
+    from train import compression
+    assert [compression("fixed", L, 16, 48) for L in (8, 20, 48)] == [3.0, 3.0, 3.0]
+    assert [compression("per_length", L, 16, 48) for L in (8, 20, 48)] == [1.0, 1.25, 3.0]
+    assert [compression("one", L, 16, 48) for L in (8, 20, 48)] == [1.0, 1.0, 1.0]
+
+
+def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
+    """A ViPE run with s_rule=fixed: s = 1 in training, the other two rules evaluated first (s per
+    length, then 1), then finetune_steps steps with s = 48 / 16 = 3, then the test with s = 3.
+    The layer records every s it sees, in training and in evaluation."""
+    import train
+    seen = []
+    real = ViPEAttention.forward
+
+    def spy(self, x, ctx=None):
+        seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
+        return real(self, x, ctx)
+    monkeypatch.setattr(ViPEAttention, "forward", spy)
+    run = train.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, finetune_steps=3,
+                                 d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=2,
+                                 train_lengths=[16], test_lengths=[8, 48], out=str(tmp_path)), "cpu")
+    metrics = train.train(run, log=lambda *_: None)
+    trained = [s for training, _, s in seen if training]
+    assert trained == [1.0] * 4 + [3.0] * 3                     # 1 layer: one call per step
+    tested = [(T, s) for training, T, s in seen if not training]
+    T8, T48 = 2 * 8 + 2, 2 * 48 + 2                              # [BoS] x [EoI] y: tokens per length
+    assert tested == [(T8, 1.0), (T48, 3.0), (T8, 1.0), (T48, 1.0), (T8, 3.0), (T48, 3.0)]
+    assert set(metrics["eval_ablations"]) == {"per_length", "one"}
+    assert [r["length"] for r in metrics["eval_ablations"]["one"]] == [8, 48]
 
 
 def test_layer_modes():

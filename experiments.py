@@ -77,28 +77,64 @@ def summarize(method_dir: Path) -> dict | None:
             continue
     if not seeds:
         return None
-    names = [r["name"] for r in seeds[0]["eval"]]
-    points = []
-    for i, name in enumerate(names):
-        ex = [m["eval"][i]["exact"] for m in seeds if len(m["eval"]) > i]
-        tok = [m["eval"][i]["token"] for m in seeds if len(m["eval"]) > i]
-        r = seeds[0]["eval"][i]
-        points.append({"name": name, "length": r["length"], "variant": r["variant"],
-                       "exact": float(np.mean(ex)), "exact_min": min(ex), "exact_max": max(ex),
-                       "token": float(np.mean(tok)), "token_min": min(tok), "token_max": max(tok)})
     train_max = seeds[0]["train_max_length"]
-
-    def ood(m):
-        rs = [r["exact"] for r in m["eval"] if r["length"] > train_max] or [r["exact"] for r in m["eval"]]
-        return float(np.mean(rs))
-    eligible = [m for m in seeds if (m["train_exact"] or 0) >= 0.85] or seeds
-    best = max(eligible, key=ood)
+    best = best_seed(seeds)
     summary = {"task": seeds[0]["task"], "method": seeds[0]["method"], "label": method_dir.name,
                "seeds": [m["seed"] for m in seeds], "train_max_length": train_max,
                "device": seeds[0]["device"], "wall_s": [m["wall_s"] for m in seeds],
-               "eval": points, "best_seed": best["seed"], "best_eval": best["eval"]}
+               "eval": over_seeds([m["eval"] for m in seeds]), "best_seed": best["seed"], "best_eval": best["eval"]}
+    rules = seeds[0].get("eval_ablations", {})
+    if rules and all(set(m.get("eval_ablations", {})) == set(rules) for m in seeds):
+        summary["ablations"] = {rule: over_seeds([m["eval_ablations"][rule] for m in seeds]) for rule in rules}
     save_atomic(summary, method_dir / "metrics.json")
     return summary
+
+
+def over_seeds(evals: list[list[dict]]) -> list[dict]:
+    """Per evaluation point of the seeds' rows: mean, min and max of exact and token accuracy."""
+    points = []
+    for i, r in enumerate(evals[0]):
+        ex = [rows[i]["exact"] for rows in evals if len(rows) > i]
+        tok = [rows[i]["token"] for rows in evals if len(rows) > i]
+        points.append({"name": r["name"], "length": r["length"], "variant": r["variant"], "n": r.get("n"),
+                       "exact": float(np.mean(ex)), "exact_min": min(ex), "exact_max": max(ex),
+                       "token": float(np.mean(tok)), "token_min": min(tok), "token_max": max(tok)})
+    return points
+
+
+# =============================================================================================
+# The papers' selection rules, each from one seed's metrics (with --eval-every: its history)
+# =============================================================================================
+
+def best_seed(seeds: list[dict], min_train: float = 0.85) -> dict:
+    """ViPE's rule: among seeds whose in-distribution exact match is at least min_train, the one with
+    the best mean exact match beyond the training length. It selects on the test lengths, as the
+    paper does."""
+    def beyond(m):
+        top = m["train_max_length"]
+        rs = [r["exact"] for r in m["eval"] if r["length"] > top] or [r["exact"] for r in m["eval"]]
+        return float(np.mean(rs))
+    return max([m for m in seeds if (m["train_exact"] or 0) >= min_train] or seeds, key=beyond)
+
+
+def top_k_checkpoints(m: dict, selector, metric: str, k: int = 3) -> float | None:
+    """PRISM's rule: the mean of the k best values of one column over the evaluations during
+    training. It selects on the test set, as the paper does."""
+    values = [v for h in m.get("history", []) if (v := one_seed(h["eval"], m, selector, metric)) is not None]
+    return float(np.mean(sorted(values)[-k:])) if values else None
+
+
+def best_held_out(m: dict, selector) -> dict | None:
+    """UPE's rule: the evaluation during training with the best exact match on the held-out examples
+    (other sequences than the test set's) in the lengths of `selector`; returns its test rows."""
+    scored = [(one_seed(h["held_out"], m, selector, "exact"), h) for h in m.get("history", [])]
+    scored = [(v, h) for v, h in scored if v is not None]
+    return max(scored, key=lambda vh: vh[0])[1]["eval"] if scored else None
+
+
+def one_seed(rows: list[dict], m: dict, selector, metric: str) -> float | None:
+    nums = column_numbers({"eval": over_seeds([rows]), "train_max_length": m["train_max_length"]}, selector, metric)
+    return None if nums is None else nums[0]
 
 
 def plot_task(task_dir: Path) -> Path | None:
@@ -170,6 +206,8 @@ class Experiment:
     paper: dict                  # run label -> the paper's number per column (strings)
     scaled: str                  # what was scaled down from the paper to fit minutes
     seeds: list = field(default_factory=lambda: [0])
+    select: tuple | None = None  # the paper's selection rule, reported beside the last checkpoint:
+                                 # ("best_seed",) | ("top3",) (needs eval_every) | ("held_out", (lo, hi))
     sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
                                  # each run's tag (e.g. L2 -> 2), one line per method
 
@@ -178,19 +216,22 @@ VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
 
 
 def _vipe_experiment(task: str) -> Experiment:
-    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, one seed."""
+    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, three seeds; ViPE
+    tested with the paper's fixed s after a short fine-tuning with it, and the other rules beside."""
     return Experiment(
         claim=f"{task}: train L=1..16, test 17..48, 1 head, d=128, 2 and 3 layers: ViPE keeps high accuracy "
               "to about 2x the training length while the other encodings collapse (paper Fig. 6 and 12)",
-        runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n) for n in (2, 3) for m in VIPE_METHODS],
+        runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n, finetune_steps=200)
+              for n in (2, 3) for m in VIPE_METHODS],
         columns=[("1-16", (1, 16), "exact"), ("17-24", (17, 24), "exact"), ("25-32", (25, 32), "exact"),
                  ("33-48", (33, 48), "exact")],
         paper={**{f"{m}-L{n}": ["≥ 0.85 (selection rule)", "collapses", "collapses", "collapses"]
                   for m in VIPE_METHODS[:-1] for n in (2, 3)},
                **{f"vipe-L{n}": ["≥ 0.85 (selection rule)", "high", "high (to ~2x)", "falls"] for n in (2, 3)}},
-        scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps); "
-               "one seed (the paper: best of 8 with in-distribution accuracy >= 0.85; add seeds with --seeds "
-               "on single runs); one task per experiment so that each fits in about ten minutes")
+        scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps), "
+               "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 3 seeds (the paper: best of 8 with "
+               "in-distribution accuracy >= 0.85); one task per experiment so that each fits in about ten minutes",
+        seeds=[0, 1, 2], select=("best_seed",))
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -236,21 +277,25 @@ EXPERIMENTS: dict[str, Experiment] = {
     "prism-copy": Experiment(
         claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
               "APE with a random position shift fails (paper Fig. 3)",
-        runs=[dict(task="copy", method="prism", curriculum=True),
-              dict(task="copy", method="ape", ape_shift=100, curriculum=True)],
+        runs=[dict(task="copy", method="prism", curriculum=True, eval_every=500),
+              dict(task="copy", method="ape", ape_shift=100, curriculum=True, eval_every=500)],
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-50", (21, 50), "exact"),
                  ("51-100", (51, 100), "exact")],
         paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
         scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100) with the "
-               "curriculum compressed into the first half of the steps"),
+               "curriculum compressed into the first half of the steps; 3 seeds, evaluated every 500 steps for "
+               "the paper's rule (mean of the top 3 evaluations)",
+        seeds=[0, 1, 2], select=("top3",)),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
               "20-30 digits, APE fails (paper Fig. 4)",
-        runs=[dict(task="add_cot", method="prism", curriculum=True),
-              dict(task="add_cot", method="ape", ape_shift=100, curriculum=True)],
+        runs=[dict(task="add_cot", method="prism", curriculum=True, eval_every=500),
+              dict(task="add_cot", method="ape", ape_shift=100, curriculum=True, eval_every=500)],
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
         paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
-        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100)"),
+        scaled="the GPU preset (2 layers, d=128, 4 heads, 3k steps x 64; the paper: 150k steps x 100); evaluated "
+               "every 500 steps for the paper's rule (mean of the top 3)",
+        seeds=[0, 1, 2], select=("top3",)),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
@@ -272,11 +317,13 @@ EXPERIMENTS: dict[str, Experiment] = {
     "upe-add": Experiment(
         claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises (UPE paper section 3)",
-        runs=[dict(task="add_padded", method=m) for m in ("ape", "rpe")],
+        runs=[dict(task="add_padded", method=m, eval_every=1000) for m in ("ape", "rpe")],
         columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
                  ("k=16-20", (16, 20), "exact")],
         paper={"ape": ["", "fails", "fails", "fails"], "rpe": ["", "generalises", "generalises", "generalises"]},
-        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64"),
+        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64; "
+               "evaluated every 1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums)",
+        seeds=[0, 1, 2], select=("held_out", (6, 8))),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
@@ -317,10 +364,50 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
             continue
         s = json.loads(path.read_text())
+        n = s["eval"][0].get("n", "?")
         cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
-        lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join(cells)
+        lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean (min-max) over seeds, {n} "
+                     f"examples per point | " + " | ".join(cells)
                      + f" | {len(s['seeds'])} | {s['device']} | {fmt_time(float(np.mean(s['wall_s'])))} |")
+        for rule, points in s.get("ablations", {}).items():
+            cells = [column_value({**s, "eval": points}, sel, metric) for _, sel, metric in exp.columns]
+            lines.append(f"| {run['task']}/{label} | this repo, {S_TEXT[rule]}, no fine-tuning | "
+                         + " | ".join(cells) + f" | {len(s['seeds'])} | | |")
+        if exp.select:
+            seeds = [json.loads(p.read_text()) for p in sorted(path.parent.glob("seed*/metrics.json"))]
+            source, cells = paper_rule(exp, seeds)
+            lines.append(f"| {run['task']}/{label} | this repo, {source} | " + " | ".join(cells)
+                         + f" | {len(seeds)} | | |")
     return "\n".join(lines)
+
+
+S_TEXT = {"per_length": "s = L / L_train_max per length", "one": "s = 1", "fixed": "s = L_test_max / L_train_max"}
+
+
+def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
+    """(what the row is, its cells) under the experiment's selection rule."""
+    rule, top = exp.select[0], seeds[0]["train_max_length"]
+    if rule == "best_seed":
+        b = best_seed(seeds)
+        return (f"the paper's rule: best of {len(seeds)} seeds with in-distribution exact match >= 0.85 (seed "
+                f"{b['seed']}; selects on the test lengths, as the paper does)",
+                [column_value({"eval": over_seeds([b["eval"]]), "train_max_length": top}, sel, metric)
+                 for _, sel, metric in exp.columns])
+    if rule == "top3":
+        cells = []
+        for _, sel, metric in exp.columns:
+            vals = [v for m in seeds if (v := top_k_checkpoints(m, sel, metric)) is not None]
+            cells.append(f"{np.mean(vals):.3f} ({min(vals):.2f}-{max(vals):.2f})" if vals else "-")
+        return ("the paper's rule: mean of the 3 best evaluations during training, mean (min-max) over seeds "
+                "(selects on the test set, as the paper does)", cells)
+    chosen = [rows for m in seeds if (rows := best_held_out(m, exp.select[1])) is not None]
+    lo, hi = exp.select[1]
+    if not chosen:
+        return f"the paper's rule: best checkpoint on held-out lengths {lo}-{hi} (no evaluations during training)", \
+            ["-" for _ in exp.columns]
+    return (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi}, "
+            "mean (min-max) over seeds", [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
+                                          for _, sel, metric in exp.columns])
 
 
 def column_numbers(summary: dict, selector, metric: str):

@@ -616,13 +616,14 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     model = build_model(cfg.model).to(device)
     opt = make_optimizer(model, cfg, device)
     step, losses, wall = 0, [], 0.0
+    history = []    # evaluations during training: {"step", "eval" (test set), "held_out" (other examples)}
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         torch.set_rng_state(ckpt["torch_rng"])
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
-        step, losses, wall = ckpt["step"], ckpt["losses"], ckpt["wall"]
+        step, losses, wall, history = ckpt["step"], ckpt["losses"], ckpt["wall"], ckpt.get("history", [])
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = torch.compile(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
@@ -636,7 +637,7 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
                      "torch_rng": torch.get_rng_state(),
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-                     "step": step, "losses": losses, "wall": wall}, cfg.run_dir() / CKPT)
+                     "step": step, "losses": losses, "wall": wall, "history": history}, cfg.run_dir() / CKPT)
 
     model.train()
     t0, last_log, log_step = time.time() - wall, time.time(), step
@@ -688,9 +689,12 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
                 f"{rate:6.1f} steps/s | data wait {100 * (waited - log_waited) / (now - last_log):.0f}% | "
                 f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
             last_log, log_step, log_waited = now, step, waited
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, max(train_lengths))
-            log("  eval: " + summary_line(rows, max(train_lengths)))
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            history.append({"step": step, **{key: evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device,
+                                                           cfg.task_opts, max(train_lengths), s_rule=cfg.s_rule,
+                                                           stream=stream_id)
+                                             for key, stream_id in (("eval", 1), ("held_out", 2))}})
+            log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             flush()   # never checkpoint weights that a NaN step has touched
             wall = time.time() - t0
@@ -721,6 +725,8 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     }
     if ablations:
         metrics["eval_ablations"] = ablations
+    if history:
+        metrics["history"] = history
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")
@@ -877,7 +883,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-lengths", help="e.g. 1-48")
     g.add_argument("--task-opt", action="append", metavar="KEY=VALUE", help="task option, e.g. n_back=2")
     g.add_argument("--n-eval", type=int, help="evaluation examples per length")
-    g.add_argument("--eval-every", type=int)
+    g.add_argument("--eval-every", type=int, help="also evaluate every N steps (test set and a held-out set; "
+                   "the history feeds the papers' selection rules)")
+    g.add_argument("--s-rule", choices=S_RULES, help="ViPE's test-time s (default fixed: L_test_max / L_train_max)")
+    g.add_argument("--finetune-steps", type=int, help="ViPE: steps fine-tuned with the fixed s before the test")
     return p
 
 
@@ -936,6 +945,7 @@ def run_cli(args) -> int:
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
+                  s_rule=args.s_rule, finetune_steps=args.finetune_steps,
                   compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
                         preset_name) for m in methods for s in seeds]

@@ -1,6 +1,8 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
 import json
 
+import pytest
+
 import experiments
 from train import main, make_config, validate
 
@@ -24,7 +26,7 @@ def test_reproduce_runs_skips_and_tables(capsys, tmp_path, monkeypatch):
     table = (out / "reproduce" / "tiny.md").read_text()
     s = json.loads((out / "copy" / "rope" / "metrics.json").read_text())
     assert "| copy/rope | paper | 1.0 | 0.5 |" in table
-    assert f"| copy/rope | this repo | {s['eval'][0]['exact']:.3f}" in table
+    assert f"| copy/rope | this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | {s['eval'][0]['exact']:.3f}" in table
     code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
     assert stdout.count("skip ") == 2
 
@@ -39,7 +41,7 @@ def test_reproduce_sweep_figure(capsys, tmp_path, monkeypatch):
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, "--reproduce", "sweep", "--out", str(out), "--device", "cpu")
     assert code == 0 and (out / "reproduce" / "sweep.png").stat().st_size > 1000
-    assert "| copy/rope-L2 | this repo |" in (out / "reproduce" / "sweep.md").read_text()
+    assert "| copy/rope-L2 | this repo, last checkpoint" in (out / "reproduce" / "sweep.md").read_text()
 
 
 def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
@@ -53,7 +55,7 @@ def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
     assert code == 0
     text = (out / "reproduce" / "all.md").read_text()
     assert text.index("### one") < text.index("### two")
-    assert "| copy/nope | this repo |" in text and "| copy/rope | this repo |" in text
+    assert "| copy/nope | this repo, last checkpoint" in text and "| copy/rope | this repo, last checkpoint" in text
 
 
 def test_every_experiment_run_is_valid():
@@ -78,3 +80,45 @@ def test_jobs_run_concurrently_with_the_results_of_sequential_runs(capsys, tmp_p
         b = torch.load(tmp_path / "par" / "copy" / m / "seed0" / "model.pt")
         assert all(torch.equal(a[k], b[k]) for k in a)
         assert "steps/s" in (tmp_path / "par" / "copy" / m / "seed0" / "train.log").read_text()
+
+
+def fake_rows(values, lengths=(5, 10, 15)):
+    return [{"name": str(L), "length": L, "variant": None, "exact": v, "token": v, "n": 8} for L, v in zip(lengths, values)]
+
+
+def fake_seed(seed, train_exact, final, history):
+    """A seed's metrics: final rows, and history entries (step, test values, held-out values)."""
+    return {"task": "copy", "method": "rope", "seed": seed, "train_max_length": 5, "train_exact": train_exact,
+            "device": "cpu", "wall_s": 1.0, "eval": fake_rows(final),
+            "history": [{"step": s, "eval": fake_rows(t), "held_out": fake_rows(h)} for s, t, h in history]}
+
+
+def test_selection_rules_on_a_fake_history(tmp_path):
+    """best_seed skips seeds below 0.85 in distribution; top-3 averages the three best evaluations;
+    the held-out rule picks its checkpoint on the held-out examples, never on the test ones; and
+    the experiment table reports each rule beside the last checkpoint."""
+    a = fake_seed(0, 0.9, [1.0, 0.5, 0.1], [(1, [1, 0.1, 0], [1, 0.2, 0]), (2, [1, 0.6, 0], [1, 0.9, 0]),
+                                            (3, [1, 0.4, 0], [1, 0.3, 0]), (4, [1, 0.8, 0], [1, 0.5, 0])])
+    b = fake_seed(1, 0.7, [0.7, 0.9, 0.9], [(4, [1, 0.2, 0], [1, 0.2, 0])])
+    assert experiments.best_seed([a, b])["seed"] == 0                        # b beats a beyond 5 but fails 0.85
+    assert experiments.top_k_checkpoints(a, (10, 10), "exact") == pytest.approx((0.8 + 0.6 + 0.4) / 3)
+    assert experiments.top_k_checkpoints(b, (10, 10), "exact") == pytest.approx(0.2)
+    assert [r["exact"] for r in experiments.best_held_out(a, (10, 10))] == [1, 0.6, 0]   # step 2, not step 4
+
+    out = tmp_path / "runs"
+    for m in (a, b):
+        path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(m))
+    experiments.summarize(out / "copy" / "rope")
+    cols = [("len 10", (10, 10), "exact")]
+    rows = {}
+    for select in (("best_seed",), ("top3",), ("held_out", (10, 10))):
+        exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], columns=cols, paper={},
+                                     scaled="s", select=select)
+        rows[select[0]] = experiments.experiment_table("x", exp, out).splitlines()[-1]
+    assert "| this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | 0.700 (0.50-0.90) |" \
+        in experiments.experiment_table("x", exp, out)
+    assert "best of 2 seeds" in rows["best_seed"] and "(seed 0;" in rows["best_seed"] and "| 0.500 (0.50-0.50) |" in rows["best_seed"]
+    assert "mean of the 3 best" in rows["top3"] and f"| {(0.6 + 0.2) / 2:.3f} (0.20-0.60) |" in rows["top3"]
+    assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 (0.20-0.60) |" in rows["held_out"]

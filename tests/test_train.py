@@ -403,3 +403,14 @@ def test_cli_resume_errors(capsys, tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")
     assert code == 2 and "corrupt or unreadable" in err and err.count("\n") == 1
+
+
+def test_evaluations_during_training_keep_a_history(tmp_path):
+    """--eval-every: each evaluation on the test set and on held-out examples (another generator)
+    goes into metrics["history"] and the checkpoint, for the papers' selection rules."""
+    cfg = tiny_config(tmp_path, eval_every=10)
+    metrics = train.train(cfg, log=lambda *_: None)
+    assert [h["step"] for h in metrics["history"]] == [10, 20]
+    assert all([r["length"] for r in h[key]] == [2, 4] for h in metrics["history"] for key in ("eval", "held_out"))
+    assert metrics["history"][-1]["eval"] == metrics["eval"]          # the last one is the final test
+    assert len(torch.load(cfg.run_dir() / "checkpoint.pt", weights_only=False)["history"]) == 2

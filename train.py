@@ -41,7 +41,7 @@ import upe
 import vipe
 from examples import relative_bias
 from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context
-from tasks import IGNORE, TASKS, Batch, Task, sample_mixed
+from tasks import IGNORE, TASKS, Batch, Task, collate, sample_mixed
 
 # Every position encoding by name: one line each. A new encoding is a Method in its own file
 # (see examples/relative_bias.py) and one line here.
@@ -77,12 +77,11 @@ class UsageError(Exception):
 # =============================================================================================
 
 def score(logits, y):
-    """Per-sequence exact match (every supervised position right) and token counts."""
+    """Per sequence: exact match (every supervised position right), right and supervised tokens, (B,) each."""
     pred = logits.argmax(-1)
     sup = y != IGNORE
     right = (pred == y) & sup
-    exact = (right | ~sup).all(dim=1)                          # (B,)
-    return exact, right.sum().item(), sup.sum().item()
+    return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1)
 
 
 @torch.no_grad()
@@ -116,28 +115,46 @@ def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
              train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
-             stream: int = 1) -> list[dict]:
+             stream: int = 1, tokens_per_batch: int = 2 ** 17) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
-    so evaluating never changes the training data stream."""
+    so evaluating never changes the training data stream. Examples of several lengths share one
+    forward pass, right-padded (exact, as in `Step`), up to tokens_per_batch tokens."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
-    rows = []
-    variants = task.variants or {None: {}}
-    for L in lengths:
-        for vname, vopts in variants.items():
-            n_exact = n_right = n_sup = 0
+    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n}
+            for L in lengths for vname in (task.variants or {None: {}})]
+    counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
+
+    def pieces():                                          # (row, s, batch), in the order drawn
+        for k, r in enumerate(rows):
+            opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
+            s = compression(s_rule, r["length"], train_max, max(lengths)) if train_max else 1.0
             for start in range(0, n, batch_size):
-                batch = task.sample(min(batch_size, n - start), L, rng, **{**(task_opts or {}), **vopts})
-                s = compression(s_rule, L, train_max, max(lengths)) if train_max else 1.0
-                with autocast(device):
-                    logits = model(batch.x.to(device), batch_context(task, batch, device, s))
-                exact, right, sup = score(logits.float(), batch.y.to(device))
-                n_exact += exact.sum().item()
-                n_right += right
-                n_sup += sup
-            rows.append({"name": vname or str(L), "length": L, "variant": vname,
-                         "exact": n_exact / n, "token": n_right / max(n_sup, 1), "n": n})
+                yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
+
+    def run(group):
+        batch = collate([b for _, _, b in group], task.pad_id)
+        with autocast(device):
+            logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
+        per_seq = torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()     # (B, 3)
+        first = 0
+        for k, _, b in group:
+            counts[k] += per_seq[first:first + len(b.x)].sum(0)
+            first += len(b.x)
+
+    group = []
+    for piece in pieces():
+        size = sum(len(b.x) for _, _, b in group) + len(piece[2].x)
+        width = max([b.x.shape[1] for _, _, b in group] + [piece[2].x.shape[1]])
+        if group and (piece[1] != group[0][1] or size * width > tokens_per_batch):
+            run(group)
+            group = []
+        group.append(piece)
+    if group:
+        run(group)
+    for r, (exact, right, sup) in zip(rows, counts):
+        r.update(exact=exact / n, token=right / max(sup, 1))
     model.train()
     return rows
 

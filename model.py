@@ -197,7 +197,7 @@ class Method:
     hooks: type | None = None      # optional Hooks subclass
     param_groups: Callable | None = None   # optional fn(model, base_lr) -> extra optimiser groups
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
-    options: tuple = ()            # the keys of cfg.opts the method reads (--method-opt)
+    options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> help
     test_time_s: bool = False      # reads ctx["s"] (ViPE): evaluated under every rule for s
 
 

@@ -371,7 +371,12 @@ def alpha_group(model, base_lr):
 
 
 PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
-               options=("prism_cursors", "prism_bins", "prism_dim", "prism_blocks", "prism_copy", "prism_alpha"))
+               options={"prism_cursors": "query (and key) cursors per head, int (default 4)",
+                        "prism_bins": "histogram bins P, int >= the longest sequence (default 256)",
+                        "prism_dim": "superposition width d per cursor, int (default 32)",
+                        "prism_blocks": "blocks before which positions are computed, list (default [0])",
+                        "prism_copy": "the copy branch, true | false (default false)",
+                        "prism_alpha": "initial cursor scale alpha, float (default 8)"})
 
 
 # =============================================================================================

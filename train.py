@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -294,7 +295,8 @@ def validate(cfg: TrainConfig) -> Task:
     unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
     if unknown:
         valid = ", ".join(METHODS[cfg.method].options) or "none"
-        raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid}")
+        raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid} "
+                         f"(--help-method {cfg.method})")
     if METHODS[cfg.method].causal_only and not task.causal:
         raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
@@ -868,6 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", help="several methods, comma-separated")
     g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
+    g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
+    g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present")
     g.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
@@ -943,7 +947,25 @@ def default_workers(jobs: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
 
 
+def describe(args) -> str:
+    """The text of --help-method / --help-task."""
+    if args.help_method:
+        check_method(args.help_method)
+        opts = METHODS[args.help_method].options
+        return f"method {args.help_method}: --method-opt KEY=VALUE with KEY one of\n" + \
+            "\n".join(f"  {k:16s} {v}" for k, v in opts.items()) if opts else f"method {args.help_method}: no options"
+    if args.help_task not in TASKS:
+        raise UsageError(f"unknown task {args.help_task!r}; valid tasks: {', '.join(TASKS)}")
+    task = TASKS[args.help_task]
+    params = inspect.signature(task._sample).parameters
+    opts = "\n".join(f"  {k}={params[k].default!r}" for k in task.options()) or "  none"
+    return f"{inspect.getdoc(task)}\n\n--task-opt options (defaults):\n{opts}"
+
+
 def run_cli(args) -> int:
+    if args.help_method or args.help_task:
+        print(describe(args))
+        return 0
     device = resolve_device(args.device)
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     import experiments   # imports this module: at call time, so that the import runs one way

@@ -175,5 +175,6 @@ class UPEAttention(RPEAttention):
         super().__init__(cfg, uniform=True)
 
 
-RPE = Method(RPEAttention, options=("rpe_clip",))
-UPE = Method(UPEAttention, options=("rpe_clip", "upe_slots"))
+RPE = Method(RPEAttention, options={"rpe_clip": "clip distance K, int >= 1 (default 64)"})
+UPE = Method(UPEAttention, options={"rpe_clip": "clip distance K, int >= 1 (default 64)",
+                                    "upe_slots": "uniform vectors M, int > the largest slot (default 3)"})

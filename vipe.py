@@ -186,4 +186,6 @@ class ViPEAttention(nn.Module):
         return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
-VIPE = Method(ViPEAttention, causal_only=True, options=("vipe_mode", "vipe_dp"), test_time_s=True)
+VIPE = Method(ViPEAttention, causal_only=True, test_time_s=True,
+              options={"vipe_mode": "both | value (the code alone) | scale (the rescaling alone) (default both)",
+                       "vipe_dp": "code width d_p, int (default 8)"})

@@ -37,4 +37,4 @@ class RelativeBiasAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, T, C))                       # (B, T, C)
 
 
-RELBIAS = Method(RelativeBiasAttention, options=("relbias_clip",))
+RELBIAS = Method(RelativeBiasAttention, options={"relbias_clip": "clip distance K, int >= 1 (default 32)"})

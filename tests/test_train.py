@@ -216,7 +216,8 @@ def test_padding_to_the_graph_bucket_changes_nothing():
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g0, g1)), task
 
 
-def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch, workers):
     real, calls = F.cross_entropy, {"n": 0}
 
     def nan_at_4(*a, **k):
@@ -225,7 +226,7 @@ def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch):
         return loss * float("nan") if calls["n"] == 4 else loss
     monkeypatch.setattr(train.F, "cross_entropy", nan_at_4)
     with pytest.raises(train.NaNLoss, match=r"at step 4 \(counted as in the progress lines\); last finite loss \d"):
-        train.train(tiny_config(tmp_path), log=lambda *_: None)
+        train.train(tiny_config(tmp_path, workers=workers), log=lambda *_: None)
 
 
 # ---- CLI --------------------------------------------------------------------------------------
@@ -430,3 +431,12 @@ def test_packing_lengths_into_one_pass_changes_no_result(task_name, method):
     alone = evaluate(model, task, lengths, 12, 0, "cpu", batch_size=5, tokens_per_batch=1)
     assert packed == alone
     assert 0 < np.mean([r["token"] for r in packed]) < 1, "the check needs partly right predictions"
+
+
+def test_cli_lists_the_options_of_a_method_and_a_task(capsys):
+    code, out, _ = run_cli(capsys, "--help-method", "upe")
+    assert code == 0 and "rpe_clip" in out and "upe_slots" in out and "(default 3)" in out
+    code, out, _ = run_cli(capsys, "--help-task", "mqrar")
+    assert code == 0 and "n_back=1" in out and "n_keys=32" in out and "associative recall" in out
+    code, _, err = run_cli(capsys, "--help-method", "magic")
+    assert code == 2 and "unknown method 'magic'" in err

@@ -1,5 +1,6 @@
-"""Several runs together: summaries over seeds, the extrapolation figure per task, and the
-headline experiments of the four papers with their "paper vs this repo" tables.
+"""Several runs together: running them at once (`run_many`, --jobs), summaries over seeds, the
+extrapolation figure per task, the papers' selection rules, and the headline experiments of the
+four papers with their "paper vs this repo" tables.
 
     python train.py --reproduce path-flipflop     # hands over to reproduce() here
     python train.py --reproduce all               # every experiment, and runs/reproduce/all.md
@@ -7,7 +8,9 @@ headline experiments of the four papers with their "paper vs this repo" tables.
 An `Experiment` records the paper's setting, what was scaled down to fit minutes, the paper's
 numbers and the columns of its table. `reproduce` trains every run that is not present yet,
 summarises each method over its seeds, redraws the task figures and writes
-runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back).
+runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back): the paper's numbers,
+the mean (min-max) over seeds at the last checkpoint, and the paper's own selection rule where it
+has one.
 """
 from __future__ import annotations
 

@@ -232,6 +232,24 @@ def test_stack_semantics():
         assert set(out[len(stack) + 1:-1]) <= {"0"}
 
 
+@pytest.mark.parametrize("length", [1, 2, 7, 30])
+def test_add_cot_batches_equal_the_reference_tokens(length):
+    """The vectorised sampler builds, row by row, exactly `tokens(a, b)` of the operands it drew,
+    supervising every token after the prompt; the shorter operand's length is spread over 1..length."""
+    task = TASKS["add_cot"]
+    batch = task.sample(200, length, rng())
+    shorter = []
+    for b in range(200):
+        prompt = prompt_tokens(task, batch, b)
+        plus = prompt.index("+")
+        a, c = int("".join(prompt[:plus])[::-1]), int("".join(prompt[plus + 1:-1])[::-1])
+        seq, k = task.tokens(a, c)
+        assert prompt == seq[:k] and answer_tokens(task, batch, b) == seq[k:]
+        assert max(len(str(a)), len(str(c))) == length
+        shorter.append(min(plus, len(prompt) - plus - 2))
+    assert set(shorter) == set(range(1, length + 1)) or length == 30
+
+
 def test_add_cot_steps_and_sum():
     task = TASKS["add_cot"]
     batch = task.sample(64, 7, rng())

@@ -387,6 +387,27 @@ def test_padded_arithmetic():
             assert batch.slot[b].tolist() == list(range(m - 1, -1, -1)) + [-1] * 21
 
 
+@pytest.mark.parametrize("length,width,m", [(1, 20, 3), (5, 20, 1), (12, 15, 2), (20, 20, 3)])
+def test_padded_batches_equal_the_reference_tokens(length, width, m):
+    """The vectorised samplers build, row by row, exactly `tokens` of the operands they drew: input,
+    supervised output (pads included) and slots."""
+    def ids(task, toks):
+        return [IGNORE if t is None else task.stoi[t] for t in toks]
+    add, mul = TASKS["add_padded"], TASKS["mul_padded"]
+    batch = add.sample(100, length, rng(), width=width)
+    for b in range(100):
+        toks = add.decode(batch.x[b])
+        a, c = (int("".join(t for t in part if t != "#")) for part in (toks[:width], toks[width + 1:]))
+        x, y = add.tokens(a, c, width)
+        assert toks == x and batch.y[b].tolist() == ids(add, y)
+    batch = mul.sample(100, length, rng(), width=width, multiplier_digits=m)
+    for b in range(100):
+        toks = mul.decode(batch.x[b])
+        a, c = int("".join(toks[:m])), int("".join(t for t in toks[m + 1:] if t != "#"))
+        x, y, slot = mul.tokens(a, c, width)
+        assert toks == x and batch.y[b].tolist() == ids(mul, y) and batch.slot[b].tolist() == slot
+
+
 def test_large_operands_are_exact():
     # 20-digit operands exceed float precision; the generator must still draw every digit
     add = TASKS["add_padded"]

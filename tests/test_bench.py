@@ -37,10 +37,10 @@ def test_train_throughput_table(tmp_path):
 
 
 def test_every_task_makes_a_batch_of_256_quickly():
-    """Data generation, a batch of 256 at the longest training length on one core: a bound 10x the
-    slowest task measured on this machine's CPU (mul_cot, 26 ms), so it cannot flake; it catches a
-    generator that becomes quadratic. The loop hides this time with worker processes (--op train
-    reports the time the loop waits for data)."""
+    """Data generation, a batch of 256 at the longest training length on one core: a bound about 10x
+    the slowest task measured on a 2-core CPU machine (mul_cot, 26-35 ms), so it cannot flake; it
+    catches a generator that becomes quadratic. The loop hides this time with worker processes
+    (--op train reports the time the loop waits for data)."""
     from tasks import TASKS
-    slow = {name: ms for name, task in TASKS.items() if (ms := bench.data_ms(task, repeats=3)) > 260}
+    slow = {name: ms for name, task in TASKS.items() if (ms := bench.data_ms(task, repeats=3)) > 350}
     assert not slow, slow

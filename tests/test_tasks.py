@@ -289,6 +289,22 @@ def test_mul_cot_terms():
         assert total == int(rest)
 
 
+@pytest.mark.parametrize("length", [1, 2, 10, 100])
+def test_dyn_str_cpy_batches_equal_the_reference_tokens(length):
+    """The vectorised sampler builds, row by row, exactly `tokens(s, t)` of the string and start it drew."""
+    task = TASKS["dyn_str_cpy"]
+    batch = task.sample(100, length, rng())
+    starts = set()
+    for b in range(100):
+        prompt = prompt_tokens(task, batch, b)
+        s, d = [int(c) for c in prompt[:length]], int(prompt[length + 1])
+        t = s.index(d)
+        seq, k = task.tokens(s, t)
+        assert prompt == seq[:k] and answer_tokens(task, batch, b) == seq[k:]
+        starts.add(t)
+    assert len(starts) == min(length, 100) or length == 100
+
+
 def test_dyn_str_cpy_unique_start():
     task = TASKS["dyn_str_cpy"]
     batch = task.sample(64, 12, rng())

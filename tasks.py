@@ -80,9 +80,17 @@ class Task:
                 raise ValueError(f"task {self.name} has no option {k!r} "
                                  f"(options: {', '.join(allowed) or 'none'})")
             kind = int if params[k].default is None else type(params[k].default)   # None: a width
-            if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+            if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float) if kind is float else kind):
                 raise ValueError(f"task {self.name}: option {k} must be a{'n' if kind is int else ''} "
                                  f"{kind.__name__}, got {v!r}")
+
+    def length_weights(self, lengths: list[int], **opts) -> np.ndarray | None:
+        """Relative frequency of each training length (None: uniform)."""
+        return None
+
+    def every_example(self, length: int, **opts) -> Batch | None:
+        """Every example of this length, where the task has a finite test set (None: sample)."""
+        return None
 
     def options(self) -> list[str]:
         params = inspect.signature(self._sample).parameters
@@ -146,8 +154,10 @@ def collate(batches: list[Batch], pad_id: int) -> Batch:
 
 
 def sample_mixed(task: Task, n: int, lengths: list[int], rng: np.random.Generator, **opts) -> Batch:
-    """n problems whose lengths are drawn uniformly from `lengths` (one training batch)."""
-    drawn = rng.choice(np.asarray(lengths), size=n)
+    """n problems whose lengths are drawn from `lengths`, uniformly or as the task weighs them
+    (one training batch)."""
+    weights = task.length_weights(lengths, **opts)
+    drawn = rng.choice(np.asarray(lengths), size=n, p=None if weights is None else weights / weights.sum())
     parts = [task.sample(int(c), int(L), rng, **opts)
              for L, c in zip(*np.unique(drawn, return_counts=True))]
     return collate(parts, task.pad_id)
@@ -669,6 +679,13 @@ class Scan(Task):
     come from the train split, 24 and more from the test split (the length split). Train lengths
     are every action count of the train split; test lengths all counts (1..48).
 
+    Training draws commands of the train split as they are: an action count as often as the split
+    has commands of it (option uniform_lengths=True: every count equally often). Evaluation takes
+    every command of each length once, so a range's exact match is over commands (the paper's
+    number over the 3,920 test commands). The model is a causal decoder over the whole sequence:
+    a prefix-LM mask on the command would need every encoding's fast path to take a mask, which
+    the causal kernels (PaTH, ViPE) do not.
+
     Example:  jump twice after walk left = I_TURN_LEFT I_WALK I_JUMP I_JUMP <eos>
     Vocabulary: <pad>, the 13 command words, =, the 6 actions, <eos>, and for scan_cot + → : .
     """
@@ -695,7 +712,14 @@ class Scan(Task):
         prompt = command.split() + ["="]
         return prompt + actions.split() + ["<eos>"], len(prompt)
 
-    def _sample(self, n, length, rng):
+    def length_weights(self, lengths, uniform_lengths=False, **opts):
+        return None if uniform_lengths else np.array([len(_scan_by_length()[L]) for L in lengths], dtype=float)
+
+    def every_example(self, length, uniform_lengths=False, **opts):
+        seqs, n_prompt = zip(*(self.tokens(*p) for p in _scan_by_length()[length]))
+        return self.lm_batch(list(seqs), list(n_prompt), length)
+
+    def _sample(self, n, length, rng, uniform_lengths=False):
         pool = _scan_by_length()[length]
         picks = rng.integers(0, len(pool), size=n)
         seqs, n_prompt = [], []

@@ -119,11 +119,14 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
              stream: int = 1, tokens_per_batch: int = 2 ** 17) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
-    so evaluating never changes the training data stream. Examples of several lengths share one
-    forward pass, right-padded (exact, as in `Step`), up to tokens_per_batch tokens."""
+    so evaluating never changes the training data stream. A task with a finite test set (SCAN)
+    gives every example of a length once instead (the row's n is then their number). Examples of
+    several lengths share one forward pass, right-padded (exact, as in `Step`), up to
+    tokens_per_batch tokens."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
-    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n}
+    every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
+    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x)}
             for L in lengths for vname in (task.variants or {None: {}})]
     counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
 
@@ -131,8 +134,13 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
         for k, r in enumerate(rows):
             opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
             s = compression(s_rule, r["length"], train_max, max(lengths)) if train_max else 1.0
-            for start in range(0, n, batch_size):
-                yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
+            for start in range(0, r["n"], batch_size):
+                if every[r["length"]] is None:
+                    yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
+                else:
+                    b = every[r["length"]]
+                    yield k, s, Batch(*(None if v is None else v[start:start + batch_size]
+                                        for v in (b.x, b.y, b.length, b.slot)))
 
     def run(group):
         batch = collate([b for _, _, b in group], task.pad_id)
@@ -155,7 +163,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     if group:
         run(group)
     for r, (exact, right, sup) in zip(rows, counts):
-        r.update(exact=exact / n, token=right / max(sup, 1))
+        r.update(exact=exact / r["n"], token=right / max(sup, 1))
     model.train()
     return rows
 

@@ -122,3 +122,10 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     assert "best of 2 seeds" in rows["best_seed"] and "(seed 0;" in rows["best_seed"] and "| 0.500 (0.50-0.50) |" in rows["best_seed"]
     assert "mean of the 3 best" in rows["top3"] and f"| {(0.6 + 0.2) / 2:.3f} (0.20-0.60) |" in rows["top3"]
     assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 (0.20-0.60) |" in rows["held_out"]
+
+
+def test_a_column_counts_each_length_by_its_examples():
+    """SCAN's lengths have as many examples as commands: a range's value is over examples."""
+    points = [{"name": str(L), "length": L, "variant": None, "n": n, "exact": e, "exact_min": e, "exact_max": e}
+              for L, n, e in ((24, 1, 0.0), (25, 3, 1.0))]
+    assert experiments.column_numbers({"eval": points, "train_max_length": 22}, (24, 25), "exact")[0] == 0.75

@@ -478,3 +478,22 @@ def test_vocab_ids_unique():
         assert len(set(task.vocab)) == len(task.vocab), task.name
         assert task.vocab[task.pad_id] == "<pad>"
     assert TASKS["a5"].vocab[0] == "12345"
+
+
+def test_scan_draws_commands_as_the_split_has_them_and_evaluates_every_one():
+    """Action counts are drawn as often as the train split has commands of them (uniform_lengths
+    keeps every count equally often), and every_example is each command of a length once."""
+    task = TASKS["scan"]
+    lengths = task.train_lengths
+    counts = {L: len(tasks._scan_by_length()[L]) for L in lengths}
+    drawn = tasks.sample_mixed(task, 4000, lengths, rng()).length.tolist()
+    share = {L: drawn.count(L) / 4000 for L in (1, 10, 22)}
+    total = sum(counts.values())
+    for L, s in share.items():                                       # 4000 draws: within 5 sigma
+        p = counts[L] / total
+        assert abs(s - p) < 5 * (p * (1 - p) / 4000) ** 0.5 + 1e-3, (L, s, p)
+    uniform = tasks.sample_mixed(task, 4000, lengths, rng(), uniform_lengths=True).length.tolist()
+    assert abs(uniform.count(1) / 4000 - 1 / len(lengths)) < 0.02
+    every = task.every_example(24)
+    commands = {" ".join(task.decode(row)).split(" = ")[0] for row in every.x}
+    assert len(every.x) == len(commands) == counts.get(24, len(tasks._scan_by_length()[24])) == 336

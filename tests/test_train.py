@@ -440,3 +440,10 @@ def test_cli_lists_the_options_of_a_method_and_a_task(capsys):
     assert code == 0 and "n_back=1" in out and "n_keys=32" in out and "associative recall" in out
     code, _, err = run_cli(capsys, "--help-method", "magic")
     assert code == 2 and "unknown method 'magic'" in err
+
+
+def test_scan_is_evaluated_on_every_command():
+    task = TASKS["scan"]
+    model = build_model(ModelConfig(vocab_size=len(task.vocab), d_model=16, n_layers=1, n_heads=2, method="nope"))
+    rows = evaluate(model, task, [24, 48], 8, 0, "cpu")
+    assert [r["n"] for r in rows] == [336, 128]             # the test split's commands of 24 and 48 actions

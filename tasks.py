@@ -110,19 +110,16 @@ class Task:
             ys.append([IGNORE if t + 1 < k else i for t, i in enumerate(ids[1:])])
         return self.collate(xs, ys, length)
 
-    def collate(self, xs, ys, length, slots=None) -> Batch:
-        """Right-pad variable-length rows: x with the pad id, y with -100, slot with -1."""
+    def collate(self, xs, ys, length) -> Batch:
+        """Right-pad variable-length rows: x with the pad id, y with -100."""
         T = max(len(r) for r in xs)
         x = torch.full((len(xs), T), self.pad_id, dtype=torch.long)
         y = torch.full((len(xs), T), IGNORE, dtype=torch.long)
-        slot = None if slots is None else torch.full((len(xs), T), -1, dtype=torch.long)
         for b, (xr, yr) in enumerate(zip(xs, ys)):
             x[b, :len(xr)] = torch.tensor(xr, dtype=torch.long)
             y[b, :len(yr)] = torch.tensor(yr, dtype=torch.long)
-            if slots is not None:
-                slot[b, :len(slots[b])] = torch.tensor(slots[b], dtype=torch.long)
         lengths = torch.as_tensor(np.broadcast_to(np.asarray(length), (len(xs),)).copy())
-        return Batch(x, y, lengths.long(), slot)
+        return Batch(x, y, lengths.long())
 
     def lm_arrays(self, seq: np.ndarray, supervised: np.ndarray, length: int) -> Batch:
         """Vectorised language-model batch from equal-length id arrays seq, supervised: (n, S)."""
@@ -504,11 +501,6 @@ def _uniform_with_digits(rng: np.random.Generator, k: int) -> int:
     """Uniform integer with exactly k decimal digits (0..9 for k = 1)."""
     first = rng.integers(0 if k == 1 else 1, 10)
     return int(str(first) + "".join(map(str, rng.integers(0, 10, size=k - 1))))
-
-
-def _uniform_below(rng: np.random.Generator, k: int) -> int:
-    """Uniform integer below 10^k, digit by digit (exact for any k, unlike float draws)."""
-    return int("".join(map(str, rng.integers(0, 10, size=k))))
 
 
 class MulCoT(Task):

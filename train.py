@@ -196,6 +196,7 @@ class TrainConfig:
     curriculum: bool = False          # grow the maximum training length over the first half
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
+    held_out_lengths: list | None = None  # also evaluated then, on other examples (the UPE paper's rule)
     s_rule: str = "fixed"             # ViPE's test-time s: fixed | per_length | one (see `compression`)
     finetune_steps: int = 0           # ViPE: steps trained with the fixed s before the final evaluation
     ckpt_every: int = 500             # write a checkpoint every this many steps
@@ -284,8 +285,8 @@ def validate(cfg: TrainConfig) -> Task:
     if cfg.graphs and not device.startswith("cuda"):
         raise UsageError("CUDA graphs need a CUDA GPU")
     for what, lengths in (("train", cfg.train_lengths or task.train_lengths),
-                          ("test", cfg.test_lengths or task.test_lengths)):
-        if not lengths:
+                          ("test", cfg.test_lengths or task.test_lengths), ("held-out", cfg.held_out_lengths or [])):
+        if not lengths and what != "held-out":
             raise UsageError(f"no {what} lengths given")
         for L in lengths:
             try:
@@ -644,6 +645,7 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     opt = make_optimizer(model, cfg, device)
     step, losses, wall = 0, [], 0.0
     history = []    # evaluations during training: {"step", "eval" (test set), "held_out" (other examples)}
+    sets = [("eval", 1, test_lengths)] + ([("held_out", 2, cfg.held_out_lengths)] if cfg.held_out_lengths else [])
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
@@ -717,10 +719,10 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
                 f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
             last_log, log_step, log_waited = now, step, waited
         if cfg.eval_every and step % cfg.eval_every == 0:
-            history.append({"step": step, **{key: evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device,
+            history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
                                                            cfg.task_opts, max(train_lengths), s_rule=cfg.s_rule,
                                                            stream=stream_id)
-                                             for key, stream_id in (("eval", 1), ("held_out", 2))}})
+                                             for key, stream_id, lengths in sets}})
             log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             flush()   # never checkpoint weights that a NaN step has touched
@@ -912,8 +914,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--test-lengths", help="e.g. 1-48")
     g.add_argument("--task-opt", action="append", metavar="KEY=VALUE", help="task option, e.g. n_back=2")
     g.add_argument("--n-eval", type=int, help="evaluation examples per length")
-    g.add_argument("--eval-every", type=int, help="also evaluate every N steps (test set and a held-out set; "
-                   "the history feeds the papers' selection rules)")
+    g.add_argument("--eval-every", type=int, help="also evaluate every N steps on the test set (the history "
+                   "feeds the papers' selection rules)")
+    g.add_argument("--held-out-lengths", help="with --eval-every: also on other examples of these lengths")
     g.add_argument("--s-rule", choices=S_RULES, help="ViPE's test-time s (default fixed: L_test_max / L_train_max)")
     g.add_argument("--finetune-steps", type=int, help="ViPE: steps fine-tuned with the fixed s before the test")
     return p
@@ -992,6 +995,7 @@ def run_cli(args) -> int:
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
+                  held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
                   s_rule=args.s_rule, finetune_steps=args.finetune_steps,
                   compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},

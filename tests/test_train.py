@@ -407,12 +407,13 @@ def test_cli_resume_errors(capsys, tmp_path):
 
 
 def test_evaluations_during_training_keep_a_history(tmp_path):
-    """--eval-every: each evaluation on the test set and on held-out examples (another generator)
-    goes into metrics["history"] and the checkpoint, for the papers' selection rules."""
-    cfg = tiny_config(tmp_path, eval_every=10)
+    """--eval-every: each evaluation on the test set, and on held-out examples (another generator) of
+    --held-out-lengths, goes into metrics["history"] and the checkpoint, for the papers' selection rules."""
+    cfg = tiny_config(tmp_path, eval_every=10, held_out_lengths=[4])
     metrics = train.train(cfg, log=lambda *_: None)
     assert [h["step"] for h in metrics["history"]] == [10, 20]
-    assert all([r["length"] for r in h[key]] == [2, 4] for h in metrics["history"] for key in ("eval", "held_out"))
+    assert all([r["length"] for r in h["eval"]] == [2, 4] for h in metrics["history"])
+    assert all([r["length"] for r in h["held_out"]] == [4] for h in metrics["history"])
     assert metrics["history"][-1]["eval"] == metrics["eval"]          # the last one is the final test
     assert len(torch.load(cfg.run_dir() / "checkpoint.pt", weights_only=False)["history"]) == 2
 

@@ -1,13 +1,13 @@
-"""Several runs together: running them at once (`run_many`, --jobs), summaries over seeds, the
-extrapolation figure per task, the papers' selection rules, and the headline experiments of the
-four papers with their "paper vs this repo" tables.
+"""What runs show: the table of one run, summaries over seeds, the extrapolation figure per task,
+the papers' selection rules, and the headline experiments of the four papers with their "paper vs
+this repo" tables.
 
-    python train.py --reproduce path-flipflop     # hands over to reproduce() here
+    python train.py --reproduce path-flipflop     # cli.reproduce runs EXPERIMENTS["path-flipflop"]
     python train.py --reproduce all               # every experiment, and runs/reproduce/all.md
 
 An `Experiment` records the paper's setting, what was scaled down to fit minutes, the paper's
-numbers and the columns of its table. `reproduce` trains every run that is not present yet,
-summarises each method over its seeds, redraws the task figures and writes
+numbers and the columns of its table. `cli.reproduce` trains every run that is not present yet,
+then the functions here summarise each method over its seeds, redraw the task figures and write
 runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back): the paper's numbers,
 the mean (min-max) over seeds at the last checkpoint, and the paper's own selection rule where it
 has one.
@@ -15,53 +15,39 @@ has one.
 from __future__ import annotations
 
 import json
-import multiprocessing
+import math
 import os
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from train import (NaNLoss, TrainConfig, UsageError, fmt_time, make_config, save_atomic, speed, summary_line,
-                   train, validate)
+from train import TrainConfig, fmt_time, make_config, save_atomic
 
 
 # =============================================================================================
-# Several runs at once
+# Tables and figures of runs
 # =============================================================================================
 
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False):
-    """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
-    <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
-    those of the runs one after the other. A run that stops on a NaN loss does not stop the others."""
-    if jobs <= 1 or len(cfgs) <= 1:
-        for cfg in cfgs:
-            train(cfg, resume=resume)
-        return
-    t0, failed = time.time(), []
-    print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
-        futures = {pool.submit(train_logged, cfg, resume): cfg for cfg in cfgs}
-        for future in as_completed(futures):
-            run = futures[future].run_dir()
-            try:
-                print(f"  [{fmt_time(time.time() - t0)}] done {run}: {future.result()}", flush=True)
-            except NaNLoss as e:
-                print(f"  [{fmt_time(time.time() - t0)}] stopped {run}: {e}", flush=True)
-                failed.append(str(e))
-    if failed:
-        raise NaNLoss(f"{len(failed)} of {len(cfgs)} runs stopped; the first: {failed[0]}")
-
-
-def train_logged(cfg: TrainConfig, resume: bool = False) -> str:
-    """train() with its progress lines in <run>/train.log; returns the one-line summary."""
-    path = cfg.run_dir() / "train.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        metrics = train(cfg, resume, log=lambda line: print(line, file=f, flush=True))
-    return summary_line(metrics["eval"], metrics["train_max_length"])
+def results_table(rows, train_max) -> str:
+    """Accuracy by length (buckets of lengths when there are many), marking the training range."""
+    if rows and rows[0]["variant"]:
+        lines = ["| eval | length | error % (read bits) | exact |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['length']} | {100 * (1 - r['token']):.3f} | {r['exact']:.3f} |" for r in rows]
+        return "\n".join(lines)
+    lengths = sorted({r["length"] for r in rows})
+    groups = [[L] for L in lengths]
+    if len(lengths) > 24:
+        width = math.ceil(len(lengths) / 12)
+        groups = [lengths[i:i + width] for i in range(0, len(lengths), width)]
+    lines = ["| length | exact | token | |", "| --- | --- | --- | --- |"]
+    for g in groups:
+        sel = [r for r in rows if r["length"] in g]
+        label = str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}"
+        mark = "train" if g[-1] <= train_max else ("" if g[0] > train_max else "train/test")
+        lines.append(f"| {label} | {np.mean([r['exact'] for r in sel]):.3f} | "
+                     f"{np.mean([r['token'] for r in sel]):.3f} | {mark} |")
+    return "\n".join(lines)
 
 
 # =============================================================================================
@@ -486,43 +472,3 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def reproduce(args, device: str, preset_name: str) -> int:
-    names = list(EXPERIMENTS) if args.reproduce == "all" else [args.reproduce]
-    for name in names:
-        if name not in EXPERIMENTS:
-            raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
-    n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
-    how = speed(args, device, n_runs)
-    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
-    for cfgs in plans.values():
-        for cfg in cfgs:
-            validate(cfg)
-    if preset_name == "cpu":
-        print("Using the small CPU preset: the table will not show the paper's numbers.")
-    out = Path(args.out)
-    tables = []
-    for name, cfgs in plans.items():
-        print(f"== {name}: {len(cfgs)} runs")
-        todo = []
-        for cfg in cfgs:
-            if (cfg.run_dir() / "metrics.json").exists() and not args.force:
-                print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
-            else:
-                todo.append(cfg)
-        run_many(todo, args.jobs)
-        for cfg in cfgs:
-            summarize(cfg.run_dir().parent)
-        for task in sorted({c.task for c in cfgs}):
-            plot_task(out / task)
-        table = experiment_table(name, EXPERIMENTS[name], out)
-        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
-        if EXPERIMENTS[name].sweep:
-            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
-        print(table)
-        tables.append(table)
-    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
-        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
-        print(f"wrote {out / 'reproduce' / 'all.md'}")
-    return 0

@@ -336,7 +336,7 @@ class PrismAttention(nn.Module):
 
     def check_context(self, ctx):
         """A sequence longer than the bins would clamp every cursor past bin P - 1 (the paper uses
-        as many bins as positions); train.py calls this on sample batches before a run."""
+        as many bins as positions); cli.validate calls this on sample batches before a run."""
         T = ctx["tokens"].shape[1]
         if T > self.P:
             raise ValueError(f"sequences of {T} tokens need at least as many bins (prism_bins = {self.P}): "

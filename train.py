@@ -1,33 +1,28 @@
-"""Training, evaluation, checkpoints, the method registry and the command line.
+"""One run: the method registry, the training config and presets, the data stream, the optimiser
+step (CUDA graphs on a GPU), the loop with checkpoints, and evaluation.
 
-    python train.py --method rope --task flipflop          # one model, table + plot in runs/
-    python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2
-    python train.py --reproduce vipe-poly                  # a paper's headline experiment
+    python train.py --method rope --task flipflop          # the command line: cli.py
+    import train; metrics = train.train(train.make_config(dict(task="copy", method="rope"), "cpu"))
 
-One run trains the shared Transformer of model.py on data generated on the fly, evaluates
+`train` trains the shared Transformer of model.py on data generated on the fly, evaluates
 exact-match and token accuracy at every test length in one teacher-forced pass per batch (for a
-causal model this equals greedy decoding, see `greedy_decode`), prints a table, and writes
-runs/<task>/<method>/seed<S>/{metrics.json, model.pt}, a summary over seeds in
-runs/<task>/<method>/metrics.json, and runs/<task>/extrapolation.png overlaying every method run
-on the task (experiments.py). On a GPU the defaults follow the paper's setting (scaled to
-minutes); on a CPU a small preset shows the mechanics.
+causal model this equals greedy decoding; tests/test_train.py checks it), and writes
+runs/<task>/<method>/seed<S>/{metrics.json, model.pt} and a checkpoint. It takes its config as
+valid: cli.run checks the config and the run folder first, and experiments.py draws the tables and
+figures. On a GPU the presets follow the papers' settings (scaled to minutes); on a CPU a small
+preset shows the mechanics.
 
 Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -86,34 +81,6 @@ def score(logits, y):
 
 
 @torch.no_grad()
-def greedy_decode(model, task: Task, batch: Batch, device="cpu") -> torch.Tensor:
-    """Reference for the teacher-forced metric: decode token by token, feeding the model's own
-    prediction back at every supervised position (the task's tokens elsewhere). Returns (B,)
-    exact match. Quadratic in T: for tests and checks only."""
-    assert task.causal, "greedy decoding is defined for causal tasks"
-    x, y = batch.x.to(device), batch.y.to(device)
-    seq = x.clone()
-    correct = torch.ones(len(x), dtype=torch.bool, device=device)
-    for t in range(x.shape[1]):
-        pred = model(seq[:, : t + 1])[:, -1].argmax(-1)          # (B,)
-        sup = y[:, t] != IGNORE
-        correct &= ~sup | (pred == y[:, t])
-        if t + 1 < x.shape[1]:
-            seq[:, t + 1] = torch.where(sup, pred, x[:, t + 1])
-    return correct
-
-
-S_RULES = ("fixed", "per_length", "one")
-
-
-def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
-    """ViPE's test-time factor s (SPEC 7.3): "fixed" s = test_max / train_max for every length (the
-    paper's eq. 7, after a short fine-tuning with it), "per_length" s = max(1, L / train_max),
-    "one" s = 1. Encodings other than ViPE do not read s."""
-    return {"fixed": max(1.0, test_max / train_max), "per_length": max(1.0, L / train_max), "one": 1.0}[rule]
-
-
-@torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
              train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
              stream: int = 1, tokens_per_batch: int = 2 ** 17) -> list[dict]:
@@ -133,7 +100,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     def pieces():                                          # (row, s, batch), in the order drawn
         for k, r in enumerate(rows):
             opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
-            s = compression(s_rule, r["length"], train_max, max(lengths)) if train_max else 1.0
+            s = vipe.compression(s_rule, r["length"], train_max, max(lengths)) if train_max else 1.0
             for start in range(0, r["n"], batch_size):
                 if every[r["length"]] is None:
                     yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
@@ -273,93 +240,6 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def validate(cfg: TrainConfig) -> Task:
-    """Check everything a run needs before anything is written; raise UsageError if not."""
-    check_method(cfg.method)
-    if cfg.task not in TASKS:
-        raise UsageError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(TASKS)}")
-    task = TASKS[cfg.task]
-    device = resolve_device(cfg.device)
-    if cfg.compile and not device.startswith("cuda"):
-        raise UsageError("--compile needs a CUDA GPU; drop it on CPU")
-    if cfg.graphs and not device.startswith("cuda"):
-        raise UsageError("CUDA graphs need a CUDA GPU")
-    for what, lengths in (("train", cfg.train_lengths or task.train_lengths),
-                          ("test", cfg.test_lengths or task.test_lengths), ("held-out", cfg.held_out_lengths or [])):
-        if not lengths and what != "held-out":
-            raise UsageError(f"no {what} lengths given")
-        for L in lengths:
-            try:
-                task.check_length(L, **cfg.task_opts)
-            except ValueError as e:
-                raise UsageError(f"{what} length: {e}") from None
-    try:
-        task.check_opts(cfg.task_opts)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    for flag, value, ok, need in numeric_checks(cfg):
-        if not ok:
-            raise UsageError(f"{flag} must be {need}, got {value}")
-    check_writable(Path(cfg.out))
-    unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
-    if unknown:
-        valid = ", ".join(METHODS[cfg.method].options) or "none"
-        raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid} "
-                         f"(--help-method {cfg.method})")
-    if METHODS[cfg.method].causal_only and not task.causal:
-        raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
-    if cfg.model.d_model % cfg.model.n_heads:
-        raise UsageError(f"d_model {cfg.model.d_model} is not a multiple of n_heads {cfg.model.n_heads}")
-    rng, samples = np.random.default_rng(0), []    # the task's options in use: a few examples
-    for L in (max(cfg.train_lengths or task.train_lengths), max(cfg.test_lengths or task.test_lengths)):
-        for vopts in [{}] + list(task.variants.values()):            # training, then each evaluation
-            try:
-                samples.append(task.sample(16, L, rng, **{**cfg.task_opts, **vopts}))
-            except (ValueError, TypeError) as e:
-                raise UsageError(f"task {cfg.task!r} with {cfg.task_opts}: {e}") from None
-    try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
-        layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
-        for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots; PRISM: bins
-            layer.check_context({**batch_context(task, batch, "cpu"), "tokens": batch.x})
-    except (ValueError, TypeError) as e:
-        raise UsageError(f"method {cfg.method!r}: {e}") from None
-    return task
-
-
-def check_writable(out: Path):
-    """The output folder, or its nearest existing parent, takes a file (tried with a temporary one),
-    so that a run never trains to lose its results."""
-    top = out.resolve()
-    while not top.exists():
-        top = top.parent
-    try:
-        if not top.is_dir():
-            raise NotADirectoryError(f"{top} is not a folder")
-        tempfile.TemporaryFile(dir=top).close()
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot write there ({e})") from None
-
-
-def numeric_checks(cfg: TrainConfig):
-    """(flag, value, within range, the range in words) for every number a run reads."""
-    m = cfg.model
-    return [("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
-            ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
-            ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
-            ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
-            ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
-            ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
-            ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
-            ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
-            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
-            ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
-            ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
-
-
-def check_method(method: str):
-    if method not in METHODS:
-        raise UsageError(f"unknown method {method!r}; available methods: {', '.join(METHODS)}")
-
 
 def git_hash() -> str:
     try:
@@ -388,65 +268,8 @@ def save_atomic(obj, path: Path):
             os.remove(tmp)
 
 
-def lock_run(run_dir: Path) -> Path:
-    """Take <run>/run.lock (holding this process's pid) or refuse: another live process trains this
-    run. A lock left by a process that is gone is taken over."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / "run.lock"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text() or 0)
-                if pid <= 0:
-                    raise ValueError("no pid")
-                os.kill(pid, 0)                       # raises if no such process
-            except (ValueError, ProcessLookupError, FileNotFoundError):
-                lock.unlink(missing_ok=True)          # stale
-                continue
-            except PermissionError:                   # alive, owned by another user
-                pass
-            raise UsageError(f"{run_dir} is in use by process {pid} (remove {lock} if that is wrong)") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return lock
-    raise UsageError(f"cannot take {lock}")
-
 
 CKPT = "checkpoint.pt"
-# Fields that must agree between a checkpoint and the run resuming it.
-RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "model"]
-
-
-def load_checkpoint(cfg: TrainConfig) -> dict:
-    path = cfg.run_dir() / CKPT
-    if not path.exists():
-        raise UsageError(f"--resume: no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        saved = ckpt["config"]
-        assert isinstance(saved, dict) and "model" in ckpt
-    except Exception as e:  # any unreadable file is reported the same way
-        raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
-    diff = config_diff(saved, asdict(cfg), RESUME_KEYS)
-    if diff:
-        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
-    if ckpt["step"] > cfg.steps:
-        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
-    return ckpt
-
-
-def config_diff(old: dict, new: dict, keys) -> str:
-    """'model.d_model: 32 -> 64; seed: 0 -> 1' for the fields (and model sub-fields) that differ."""
-    out = []
-    for k in keys:
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{k}.{s}: {a.get(s)} -> {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
-        elif a != b:
-            out.append(f"{k}: {a} -> {b}")
-    return "; ".join(out)
 
 
 class NaNLoss(Exception):
@@ -586,57 +409,16 @@ class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped a run between two steps, after it wrote its checkpoint."""
 
 
-@contextlib.contextmanager
-def stop_signals():
-    """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
-    instead of interrupting wherever Python happens to be (only the main thread gets signals)."""
-    flag = {"stop": None}
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    old = {s: signal.signal(s, lambda num, frame: flag.update(stop=num)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield flag
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
-def check_run_folder(cfg: TrainConfig, resume: bool):
-    """A run folder that holds a run with other task or method options is refused (--tag keeps both)."""
-    for name in ("metrics.json", CKPT):
-        path = cfg.run_dir() / name
-        if resume or not path.exists():
-            continue
-        try:
-            saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
-                torch.load(path, map_location="cpu", weights_only=False)["config"]
-        except Exception:   # an unreadable old file is overwritten, as before
-            continue
-        diff = config_diff({"task_opts": saved.get("task_opts"), "opts": saved.get("model", {}).get("opts")},
-                           {"task_opts": cfg.task_opts, "opts": cfg.model.opts}, ["task_opts", "opts"])
-        if diff:
-            raise UsageError(f"{cfg.run_dir()} holds a run with other options ({diff}); give --tag to keep both")
-        return
 
-
-def train(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
-    """Train one model, evaluate it, write metrics.json and model.pt; return the metrics. The run's
-    folder is locked while it trains."""
-    task = validate(cfg)
-    check_run_folder(cfg, resume)
-    lock = lock_run(cfg.run_dir())
-    try:
-        with stop_signals() as flag:
-            return fit(cfg, task, resume, log, flag)
-    finally:
-        lock.unlink(missing_ok=True)
-
-
-def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
-    device = resolve_device(cfg.device)
+def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None = None) -> dict:
+    """Train one model from cfg (or continue its checkpoint), evaluate it, write metrics.json and
+    model.pt in cfg.run_dir(); return the metrics. The loop stops with a checkpoint when flag["stop"]
+    is set (cli.run sets it on SIGINT/SIGTERM). The config is taken as valid: cli.validate checks it."""
+    task, flag, device = TASKS[cfg.task], flag or {"stop": None}, resolve_device(cfg.device)
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
-    ckpt = load_checkpoint(cfg) if resume else None
+    ckpt = torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False) if resume else None
     train_lengths = cfg.train_lengths or task.train_lengths
     test_lengths = cfg.test_lengths or task.test_lengths
 
@@ -735,10 +517,10 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     ablations = {}                               # ViPE: the other rules for s, before any fine-tuning
     if METHODS[cfg.method].test_time_s:
         ablations = {rule: evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts,
-                                    train_max, s_rule=rule) for rule in S_RULES if rule != cfg.s_rule}
+                                    train_max, s_rule=rule) for rule in vipe.S_RULES if rule != cfg.s_rule}
         if cfg.s_rule == "fixed" and cfg.finetune_steps:
             finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
-                     compression("fixed", train_max, train_max, max(test_lengths)))
+                     vipe.compression("fixed", train_max, train_max, max(test_lengths)))
             log(f"  fine-tuned {cfg.finetune_steps} steps with s = {max(test_lengths)} / {train_max}")
     rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, train_max,
                     s_rule=cfg.s_rule)
@@ -759,7 +541,6 @@ def fit(cfg: TrainConfig, task: Task, resume: bool, log, flag: dict) -> dict:
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")
-    log(results_table(rows, train_max))
     return metrics
 
 
@@ -796,26 +577,6 @@ def summary_line(rows, train_max) -> str:
     return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"
 
 
-def results_table(rows, train_max) -> str:
-    """Accuracy by length (buckets of lengths when there are many), marking the training range."""
-    if rows and rows[0]["variant"]:
-        lines = ["| eval | length | error % (read bits) | exact |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r['name']} | {r['length']} | {100 * (1 - r['token']):.3f} | {r['exact']:.3f} |" for r in rows]
-        return "\n".join(lines)
-    lengths = sorted({r["length"] for r in rows})
-    groups = [[L] for L in lengths]
-    if len(lengths) > 24:
-        width = math.ceil(len(lengths) / 12)
-        groups = [lengths[i:i + width] for i in range(0, len(lengths), width)]
-    lines = ["| length | exact | token | |", "| --- | --- | --- | --- |"]
-    for g in groups:
-        sel = [r for r in rows if r["length"] in g]
-        label = str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}"
-        mark = "train" if g[-1] <= train_max else ("" if g[0] > train_max else "train/test")
-        lines.append(f"| {label} | {np.mean([r['exact'] for r in sel]):.3f} | "
-                     f"{np.mean([r['token'] for r in sel]):.3f} | {mark} |")
-    return "\n".join(lines)
-
 
 def make_config(values: dict, preset_name: str) -> TrainConfig:
     """TrainConfig from a preset, overridden by `values` (TrainConfig or ModelConfig fields)."""
@@ -832,186 +593,5 @@ def make_config(values: dict, preset_name: str) -> TrainConfig:
     return cfg
 
 
-# =============================================================================================
-# CLI
-# =============================================================================================
-
-def parse_list(text: str | None, kind=str, flag: str = "") -> list | None:
-    """'1-4,8' -> [1, 2, 3, 4, 8]; None stays None (the default); an empty list is an error."""
-    if text is None:
-        return None
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if kind is int and "-" in part[1:]:
-                lo, hi = (int(x) for x in part.split("-"))
-                if lo > hi:
-                    raise UsageError(f"{flag}: the range {part} runs backwards (write {hi}-{lo})")
-                out += list(range(lo, hi + 1))
-            elif part:
-                out.append(kind(part))
-        except ValueError:
-            raise UsageError(f"{flag}: cannot read {text!r} as a comma-separated list of {kind.__name__}s "
-                             "(ranges like 1-16 allowed)") from None
-    if not out:
-        raise UsageError(f"{flag}: the list is empty")
-    return out
-
-
-def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
-    opts = {}
-    for item in items or []:
-        if "=" not in item:
-            raise UsageError(f"{flag} takes key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            opts[k] = json.loads(v)
-        except json.JSONDecodeError:
-            opts[k] = v
-    return opts
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("what to run")
-    g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
-    g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
-    g.add_argument("--methods", help="several methods, comma-separated")
-    g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
-    g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
-    g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
-    g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present")
-    g.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
-    g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
-    g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
-                   "1 on CPU; on CUDA one per 8 GB of GPU memory, at most 8 and the number of runs)")
-    g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
-                   "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
-    g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
-    g.add_argument("--out", default="runs", help="output root (default runs/)")
-    g.add_argument("--tag", default="", help="suffix of the run name: runs/<task>/<method>-<tag>")
-    g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--n-layers", type=int)
-    g.add_argument("--n-heads", type=int)
-    g.add_argument("--ape-shift", type=int, help="APE: random position offset in [0, N] during training")
-    g.add_argument("--tie-weights", action="store_true", default=None)
-    g.add_argument("--method-opt", action="append", metavar="KEY=VALUE",
-                   help="method option (ModelConfig.opts), e.g. vipe_mode=value; combine with --tag")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int)
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--warmup", type=int)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
-    g = p.add_argument_group("data and evaluation")
-    g.add_argument("--train-lengths", help="e.g. 1-16 or 5,10,20")
-    g.add_argument("--test-lengths", help="e.g. 1-48")
-    g.add_argument("--task-opt", action="append", metavar="KEY=VALUE", help="task option, e.g. n_back=2")
-    g.add_argument("--n-eval", type=int, help="evaluation examples per length")
-    g.add_argument("--eval-every", type=int, help="also evaluate every N steps on the test set (the history "
-                   "feeds the papers' selection rules)")
-    g.add_argument("--held-out-lengths", help="with --eval-every: also on other examples of these lengths")
-    g.add_argument("--s-rule", choices=S_RULES, help="ViPE's test-time s (default fixed: L_test_max / L_train_max)")
-    g.add_argument("--finetune-steps", type=int, help="ViPE: steps fine-tuned with the fixed s before the test")
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run_cli(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NaNLoss as e:
-        print(f"error: training stopped: {e}", file=sys.stderr)
-        return 1
-    except Interrupted as e:
-        print(f"\n{e}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("\ninterrupted; --resume continues from the run's last checkpoint, if it wrote one", file=sys.stderr)
-        return 130
-
-
-def speed(args, device: str, n_runs: int) -> dict:
-    """How runs are executed, never what they compute: sets args.jobs and each run's data workers
-    and CUDA graphs (see --help)."""
-    cuda = device.startswith("cuda")
-    if args.jobs is None:
-        memory = torch.cuda.get_device_properties(0).total_memory if cuda else 0
-        args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
-    if args.jobs < 1 or (args.workers or 0) < 0:
-        raise UsageError("--jobs must be at least 1 and --workers at least 0")
-    workers = default_workers(args.jobs) if cuda else 0
-    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs}
-
-
-def default_workers(jobs: int) -> int:
-    """Data workers per run when `jobs` runs share the machine: the CPU cores per run less one, 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
-
-
-def describe(args) -> str:
-    """The text of --help-method / --help-task."""
-    if args.help_method:
-        check_method(args.help_method)
-        opts = METHODS[args.help_method].options
-        return f"method {args.help_method}: --method-opt KEY=VALUE with KEY one of\n" + \
-            "\n".join(f"  {k:16s} {v}" for k, v in opts.items()) if opts else f"method {args.help_method}: no options"
-    if args.help_task not in TASKS:
-        raise UsageError(f"unknown task {args.help_task!r}; valid tasks: {', '.join(TASKS)}")
-    task = TASKS[args.help_task]
-    params = inspect.signature(task._sample).parameters
-    opts = "\n".join(f"  {k}={params[k].default!r}" for k in task.options()) or "  none"
-    return f"{inspect.getdoc(task)}\n\n--task-opt options (defaults):\n{opts}"
-
-
-def run_cli(args) -> int:
-    if args.help_method or args.help_task:
-        print(describe(args))
-        return 0
-    device = resolve_device(args.device)
-    preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
-    import experiments   # imports this module: at call time, so that the import runs one way
-    if args.reproduce:
-        return experiments.reproduce(args, device, preset_name)
-    methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
-    if not methods or not args.task:
-        raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
-    for m in methods:
-        check_method(m)
-    seeds = parse_list(args.seeds, int, "--seeds")
-    values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
-                  n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
-                  tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                  warmup=args.warmup, weight_decay=args.weight_decay, curriculum=args.curriculum,
-                  train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
-                  test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
-                  task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
-                  held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
-                  s_rule=args.s_rule, finetune_steps=args.finetune_steps,
-                  compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
-    cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
-                        preset_name) for m in methods for s in seeds]
-    for cfg in cfgs:   # every run is checked before the first one starts
-        validate(cfg)
-    if preset_name == "cpu":
-        print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
-              "(run on a GPU for the paper's setting).")
-    experiments.run_many(cfgs, args.jobs, args.resume)
-    for cfg in cfgs:
-        experiments.summarize(cfg.run_dir().parent)
-    plot = experiments.plot_task(Path(args.out) / args.task)
-    print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
-    return 0
-
-
-if __name__ == "__main__":   # run the CLI of the module `train`, the one experiments.py imports
-    sys.exit(__import__("train").main())
+if __name__ == "__main__":   # the command line lives in cli.py
+    sys.exit(__import__("cli").main())

@@ -151,7 +151,7 @@ class RPEAttention(nn.Module):
 
     def check_context(self, ctx):
         """A batch whose largest slot (ctx["slot_max"], an int read on the CPU) has no uniform vector
-        is an error (see `upe_attention`); train.py also calls this on sample batches before a run."""
+        is an error (see `upe_attention`); cli.validate also calls this on sample batches before a run."""
         if self.uni is not None and ctx.get("slot") is not None and ctx.get("slot_max", -1) >= self.uni.shape[1]:
             raise ValueError(f"slot {ctx['slot_max']} has no uniform vector (upe_slots = {self.uni.shape[1]})")
 

@@ -150,6 +150,20 @@ def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
 
 
 # =============================================================================================
+# The test-time factor s
+# =============================================================================================
+
+S_RULES = ("fixed", "per_length", "one")
+
+
+def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
+    """ViPE's test-time factor s (SPEC 7.3): "fixed" s = test_max / train_max for every length (the
+    paper's eq. 7, after a short fine-tuning with it), "per_length" s = max(1, L / train_max),
+    "one" s = 1. train.py passes it to every layer in ctx["s"]; encodings other than ViPE ignore it."""
+    return {"fixed": max(1.0, test_max / train_max), "per_length": max(1.0, L / train_max), "one": 1.0}[rule]
+
+
+# =============================================================================================
 # Layer
 # =============================================================================================
 
@@ -157,7 +171,7 @@ class ViPEAttention(nn.Module):
     """Causal multi-head ViPE attention. The value head has D - 1 channels (so v (+) i is D wide for
     SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. It uses
     ctx["s"] as given (default 1): train.py passes 1 in training, the fixed s = L_test_max /
-    L_train_max in the fine-tuning stage, and at evaluation the s of the run's rule (`train.compression`)."""
+    L_train_max in the fine-tuning stage, and at evaluation the s of the run's rule (`compression`)."""
 
     def __init__(self, cfg):
         super().__init__()

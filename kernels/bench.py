@@ -257,7 +257,7 @@ def plot(name, rows, gpu, path):
 TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("polynomial", "vipe"),
               ("add_padded", "rpe"), ("add_cot", "rope"), ("add_cot", "prism"), ("copy", "prism")]
 TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),   # the loop before workers/graphs
-               "data workers": dict(workers=None, graphs=False),               # None: train.default_workers(1)
+               "data workers": dict(workers=None, graphs=False),               # None: cli.default_workers(1)
                "data workers + CUDA graphs": dict(workers=None, graphs=True)}
 
 
@@ -281,6 +281,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     fraction of that time the loop waited for data."""
     import tempfile
 
+    import cli
     import train
     from tasks import TASKS
 
@@ -289,7 +290,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     for task, method in runs:
         for mode, how in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
-                how = {**how, "workers": train.default_workers(1) if how["workers"] is None else how["workers"]}
+                how = {**how, "workers": cli.default_workers(1) if how["workers"] is None else how["workers"]}
                 cfg = train.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
                                              n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
                                              ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")

@@ -4,7 +4,8 @@ import json
 import pytest
 
 import experiments
-from train import main, make_config, validate
+from cli import main, validate
+from train import make_config
 
 
 def run_cli(capsys, *args):

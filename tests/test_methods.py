@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import train
 from model import Method, Model, ModelConfig
 from tasks import IGNORE, TASKS, sample_mixed
@@ -63,8 +64,8 @@ def test_state_dict_round_trip(method):
 def test_unknown_method_options_are_refused(method):
     """--method-opt keys a method does not declare are one-line errors that name its options."""
     cfg = train.make_config(dict(task="copy", method=method, device="cpu", opts={"no_such_option": 1}), "cpu")
-    with pytest.raises(train.UsageError, match=r"has no option 'no_such_option' \(--method-opt\); its options: "):
-        train.validate(cfg)
+    with pytest.raises(cli.UsageError, match=r"has no option 'no_such_option' \(--method-opt\); its options: "):
+        cli.validate(cfg)
 
 
 def learn_copy(method: str | Method, causal, device="cpu"):
@@ -146,7 +147,7 @@ def test_cuda_graph_steps_follow_the_eager_steps(method):
         cfg = train.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
                                      n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
                                      if task.name == "copy" else None), "gpu")
-        train.validate(cfg)
+        cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
         torch.manual_seed(0)
         model = train.build_model(cfg.model).cuda()

@@ -301,7 +301,7 @@ def test_attention_without_hooks_is_an_error():
 
 
 def test_plot_cli(tmp_path, capsys):
-    from train import main as train_main
+    from cli import main as train_main
 
     import prism as prism_module
     assert train_main(["--task", "copy", "--method", "prism", "--steps", "3", "--n-eval", "2", "--test-lengths", "2",
@@ -344,7 +344,7 @@ def test_copy_branch_in_the_model():
 def test_fewer_bins_than_positions_is_refused(capsys, tmp_path):
     """The paper uses as many bins as positions; a task whose sequences are longer than prism_bins
     is a one-line error before training (mul_cot's test sequences have over 1,100 tokens)."""
-    from train import main as train_main
+    from cli import main as train_main
     code = train_main(["--task", "mul_cot", "--method", "prism", "--device", "cpu", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "need at least as many bins (prism_bins = 256)" in err and err.count("\n") == 1

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli
 import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
-from train import TrainConfig, build_model, evaluate, greedy_decode, main, make_config, score
+from cli import main
+from train import TrainConfig, build_model, evaluate, make_config, score
 
 
 def tiny_config(tmp_path, **kw):
@@ -96,6 +98,24 @@ def trained_model(task, lengths, steps, seed=0, d=32):
         loss.backward()
         opt.step()
     return model.eval()
+
+
+@torch.no_grad()
+def greedy_decode(model, task, batch, device="cpu") -> torch.Tensor:
+    """Reference for the teacher-forced metric: decode token by token, feeding the model's own
+    prediction back at every supervised position (the task's tokens elsewhere). Returns (B,)
+    exact match. Quadratic in T."""
+    assert task.causal, "greedy decoding is defined for causal tasks"
+    x, y = batch.x.to(device), batch.y.to(device)
+    seq = x.clone()
+    correct = torch.ones(len(x), dtype=torch.bool, device=device)
+    for t in range(x.shape[1]):
+        pred = model(seq[:, : t + 1])[:, -1].argmax(-1)          # (B,)
+        sup = y[:, t] != IGNORE
+        correct &= ~sup | (pred == y[:, t])
+        if t + 1 < x.shape[1]:
+            seq[:, t + 1] = torch.where(sup, pred, x[:, t + 1])
+    return correct
 
 
 @pytest.mark.parametrize("name,lengths,steps", [("copy", [1, 2, 3, 4, 5], 150), ("flipflop", [6], 40)])
@@ -199,7 +219,7 @@ def test_padding_to_the_graph_bucket_changes_nothing():
     for task, method, opts in (("copy", "rope", {}), ("mul_padded", "upe", {"multiplier_digits": 3})):
         cfg = make_config(dict(task=task, method=method, device="cpu", d_model=32, n_heads=2, n_layers=2,
                                task_opts=opts), "cpu")
-        t = train.validate(cfg)
+        t = cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(t.vocab), t.causal
         batch = train.TrainBatches(cfg, t, t.train_lengths)[3]
         assert batch.x.shape[1] % train.Step.BUCKET, "the check needs a batch that gets padded"
@@ -291,7 +311,7 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, monkeypat
     monkeypatch.setattr(train.Step, "__call__", signal_at_7)
     part = tiny_config(tmp_path / "b", method="ape", ape_shift=8)
     with pytest.raises(train.Interrupted, match="after step 7, checkpoint written"):
-        train.train(part, log=lambda *_: None)
+        cli.run(part, log=lambda *_: None)
     monkeypatch.setattr(train.Step, "__call__", real)
     assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 7
     assert not (part.run_dir() / "run.lock").exists()
@@ -315,11 +335,11 @@ def test_a_run_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
     try:
         lock.write_text(str(other.pid))                     # a live process holds it
         with pytest.raises(train.UsageError, match=f"is in use by process {other.pid}"):
-            train.train(cfg, log=lambda *_: None)
+            cli.run(cfg, log=lambda *_: None)
     finally:
         other.kill()
         other.wait()
-    train.train(cfg, log=lambda *_: None)                   # its process is gone: a stale lock
+    cli.run(cfg, log=lambda *_: None)                       # its process is gone: a stale lock
     assert (cfg.run_dir() / "metrics.json").exists() and not lock.exists()
 
 

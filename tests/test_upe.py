@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import upe
 from tasks import TASKS
 from model import ModelConfig
-from train import main
+from cli import main
 from upe import RPEAttention, UPEAttention, upe_attention, upe_attention_naive, upe_logits
 
 triton = pytest.importorskip("triton")

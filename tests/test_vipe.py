@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import vipe
 from model import ModelConfig
-from train import main
+from cli import main
 from vipe import ViPEAttention, vipe_attention, vipe_attention_naive
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,7 +154,7 @@ def test_layer_uses_s_as_given():
 
 
 def test_the_three_rules_for_s():
-    from train import compression
+    from vipe import compression
     assert [compression("fixed", L, 16, 48) for L in (8, 20, 48)] == [3.0, 3.0, 3.0]
     assert [compression("per_length", L, 16, 48) for L in (8, 20, 48)] == [1.0, 1.25, 3.0]
     assert [compression("one", L, 16, 48) for L in (8, 20, 48)] == [1.0, 1.0, 1.0]

@@ -1,0 +1,517 @@
+"""The command line and everything that keeps a run safe: flags -> configs, input checks before
+anything is written, run folders (locks, options that must agree), signals, and running several runs
+at once. `python train.py ...` is this module's `main`.
+
+    python train.py --method rope --task flipflop          # one model, table + plot in runs/
+    python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2 --jobs 3
+    python train.py --reproduce vipe-poly                  # a paper's headline experiment
+    python train.py --help-method upe                      # a method's --method-opt options
+
+`run(cfg)` is one run with every check: validate the config, refuse a folder in use or holding other
+options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print the table. `run_many`
+runs configs one after another or `--jobs` at once in their own processes; `reproduce` runs the
+headline experiments of experiments.py and writes their tables and figures.
+
+(A file beyond SPEC section 2's list: train.py keeps the loop, evaluation, checkpoints and the
+method registry, and stays short enough to read in one sitting.)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
+from experiments import experiment_configs, experiment_table, plot_sweep, plot_task, results_table, summarize
+from model import batch_context
+from tasks import TASKS, Task
+from train import (CKPT, METHODS, PRESETS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, make_config,
+                   resolve_device, save_atomic, summary_line, train)
+from vipe import S_RULES
+
+
+# =============================================================================================
+# Checks before a run
+# =============================================================================================
+
+def validate(cfg: TrainConfig) -> Task:
+    """Check everything a run needs before anything is written; raise UsageError if not."""
+    check_method(cfg.method)
+    if cfg.task not in TASKS:
+        raise UsageError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(TASKS)}")
+    task = TASKS[cfg.task]
+    device = resolve_device(cfg.device)
+    if cfg.compile and not device.startswith("cuda"):
+        raise UsageError("--compile needs a CUDA GPU; drop it on CPU")
+    if cfg.graphs and not device.startswith("cuda"):
+        raise UsageError("CUDA graphs need a CUDA GPU")
+    for what, lengths in (("train", cfg.train_lengths or task.train_lengths),
+                          ("test", cfg.test_lengths or task.test_lengths), ("held-out", cfg.held_out_lengths or [])):
+        if not lengths and what != "held-out":
+            raise UsageError(f"no {what} lengths given")
+        for L in lengths:
+            try:
+                task.check_length(L, **cfg.task_opts)
+            except ValueError as e:
+                raise UsageError(f"{what} length: {e}") from None
+    try:
+        task.check_opts(cfg.task_opts)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for flag, value, ok, need in numeric_checks(cfg):
+        if not ok:
+            raise UsageError(f"{flag} must be {need}, got {value}")
+    check_writable(Path(cfg.out))
+    unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
+    if unknown:
+        valid = ", ".join(METHODS[cfg.method].options) or "none"
+        raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid} "
+                         f"(--help-method {cfg.method})")
+    if METHODS[cfg.method].causal_only and not task.causal:
+        raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
+    if cfg.model.d_model % cfg.model.n_heads:
+        raise UsageError(f"d_model {cfg.model.d_model} is not a multiple of n_heads {cfg.model.n_heads}")
+    rng, samples = np.random.default_rng(0), []    # the task's options in use: a few examples
+    for L in (max(cfg.train_lengths or task.train_lengths), max(cfg.test_lengths or task.test_lengths)):
+        for vopts in [{}] + list(task.variants.values()):            # training, then each evaluation
+            try:
+                samples.append(task.sample(16, L, rng, **{**cfg.task_opts, **vopts}))
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"task {cfg.task!r} with {cfg.task_opts}: {e}") from None
+    try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
+        layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
+        for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots; PRISM: bins
+            layer.check_context({**batch_context(task, batch, "cpu"), "tokens": batch.x})
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"method {cfg.method!r}: {e}") from None
+    return task
+
+
+def check_writable(out: Path):
+    """The output folder, or its nearest existing parent, takes a file (tried with a temporary one),
+    so that a run never trains to lose its results."""
+    top = out.resolve()
+    while not top.exists():
+        top = top.parent
+    try:
+        if not top.is_dir():
+            raise NotADirectoryError(f"{top} is not a folder")
+        tempfile.TemporaryFile(dir=top).close()
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write there ({e})") from None
+
+
+def numeric_checks(cfg: TrainConfig):
+    """(flag, value, within range, the range in words) for every number a run reads."""
+    m = cfg.model
+    return [("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
+            ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
+            ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+            ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
+            ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
+            ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
+            ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
+            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
+            ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
+
+
+def check_method(method: str):
+    if method not in METHODS:
+        raise UsageError(f"unknown method {method!r}; available methods: {', '.join(METHODS)}")
+
+
+# Fields that must agree between a checkpoint and the run resuming it.
+RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "model"]
+
+
+def check_resume(cfg: TrainConfig):
+    """--resume: the run's checkpoint exists, reads, belongs to this config and is not past its end."""
+    path = cfg.run_dir() / CKPT
+    if not path.exists():
+        raise UsageError(f"--resume: no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        saved = ckpt["config"]
+        assert isinstance(saved, dict) and "model" in ckpt
+    except Exception as e:  # any unreadable file is reported the same way
+        raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
+    task = TASKS[cfg.task]
+    new = asdict(cfg)
+    new["model"].update(vocab_size=len(task.vocab), causal=task.causal)     # as train() sets them
+    diff = config_diff(saved, new, RESUME_KEYS)
+    if diff:
+        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
+    if ckpt["step"] > cfg.steps:
+        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
+
+
+def config_diff(old: dict, new: dict, keys) -> str:
+    """'model.d_model: 32 -> 64; seed: 0 -> 1' for the fields (and model sub-fields) that differ."""
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{s}: {a.get(s)} -> {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+        elif a != b:
+            out.append(f"{k}: {a} -> {b}")
+    return "; ".join(out)
+
+
+# =============================================================================================
+# One run, guarded
+# =============================================================================================
+
+def run(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
+    """Check the config, take the run's folder (run.lock) and train; SIGINT or SIGTERM stops the run
+    at the next step with a checkpoint. Logs the table of results and returns the metrics."""
+    validate(cfg)
+    if resume:
+        check_resume(cfg)
+    check_run_folder(cfg, resume)
+    lock = lock_run(cfg.run_dir())
+    try:
+        with stop_signals() as flag:
+            metrics = train(cfg, resume, log, flag)
+    finally:
+        lock.unlink(missing_ok=True)
+    log(results_table(metrics["eval"], metrics["train_max_length"]))
+    return metrics
+
+
+def lock_run(run_dir: Path) -> Path:
+    """Take <run>/run.lock (holding this process's pid) or refuse: another live process trains this
+    run. A lock left by a process that is gone is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "run.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+                if pid <= 0:
+                    raise ValueError("no pid")
+                os.kill(pid, 0)                       # raises if no such process
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)          # stale
+                continue
+            except PermissionError:                   # alive, owned by another user
+                pass
+            raise UsageError(f"{run_dir} is in use by process {pid} (remove {lock} if that is wrong)") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return lock
+    raise UsageError(f"cannot take {lock}")
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
+    instead of interrupting wherever Python happens to be (only the main thread gets signals)."""
+    flag = {"stop": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    old = {s: signal.signal(s, lambda num, frame: flag.update(stop=num)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def check_run_folder(cfg: TrainConfig, resume: bool):
+    """A run folder that holds a run with other task or method options is refused (--tag keeps both)."""
+    for name in ("metrics.json", CKPT):
+        path = cfg.run_dir() / name
+        if resume or not path.exists():
+            continue
+        try:
+            saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
+                torch.load(path, map_location="cpu", weights_only=False)["config"]
+        except Exception:   # an unreadable old file is overwritten, as before
+            continue
+        diff = config_diff({"task_opts": saved.get("task_opts"), "opts": saved.get("model", {}).get("opts")},
+                           {"task_opts": cfg.task_opts, "opts": cfg.model.opts}, ["task_opts", "opts"])
+        if diff:
+            raise UsageError(f"{cfg.run_dir()} holds a run with other options ({diff}); give --tag to keep both")
+        return
+
+
+# =============================================================================================
+# Several runs at once
+# =============================================================================================
+
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False):
+    """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
+    <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
+    those of the runs one after the other. A run that stops on a NaN loss does not stop the others."""
+    if jobs <= 1 or len(cfgs) <= 1:
+        for cfg in cfgs:
+            run(cfg, resume=resume)
+        return
+    t0, failed = time.time(), []
+    print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
+        futures = {pool.submit(run_logged, cfg, resume): cfg for cfg in cfgs}
+        for future in as_completed(futures):
+            folder = futures[future].run_dir()
+            try:
+                print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
+            except NaNLoss as e:
+                print(f"  [{fmt_time(time.time() - t0)}] stopped {folder}: {e}", flush=True)
+                failed.append(str(e))
+    if failed:
+        raise NaNLoss(f"{len(failed)} of {len(cfgs)} runs stopped; the first: {failed[0]}")
+
+
+def run_logged(cfg: TrainConfig, resume: bool = False) -> str:
+    """run() with its progress lines in <run>/train.log; returns the one-line summary."""
+    path = cfg.run_dir() / "train.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True))
+    return summary_line(metrics["eval"], metrics["train_max_length"])
+
+
+# =============================================================================================
+# The command line
+# =============================================================================================
+
+def parse_list(text: str | None, kind=str, flag: str = "") -> list | None:
+    """'1-4,8' -> [1, 2, 3, 4, 8]; None stays None (the default); an empty list is an error."""
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if kind is int and "-" in part[1:]:
+                lo, hi = (int(x) for x in part.split("-"))
+                if lo > hi:
+                    raise UsageError(f"{flag}: the range {part} runs backwards (write {hi}-{lo})")
+                out += list(range(lo, hi + 1))
+            elif part:
+                out.append(kind(part))
+        except ValueError:
+            raise UsageError(f"{flag}: cannot read {text!r} as a comma-separated list of {kind.__name__}s "
+                             "(ranges like 1-16 allowed)") from None
+    if not out:
+        raise UsageError(f"{flag}: the list is empty")
+    return out
+
+
+def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
+    opts = {}
+    for item in items or []:
+        if "=" not in item:
+            raise UsageError(f"{flag} takes key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            opts[k] = json.loads(v)
+        except json.JSONDecodeError:
+            opts[k] = v
+    return opts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
+    g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
+    g.add_argument("--methods", help="several methods, comma-separated")
+    g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
+    g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
+    g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
+    g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present")
+    g.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
+    g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
+                   "1 on CPU; on CUDA one per 8 GB of GPU memory, at most 8 and the number of runs)")
+    g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
+                   "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
+    g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
+    g.add_argument("--out", default="runs", help="output root (default runs/)")
+    g.add_argument("--tag", default="", help="suffix of the run name: runs/<task>/<method>-<tag>")
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--n-layers", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--ape-shift", type=int, help="APE: random position offset in [0, N] during training")
+    g.add_argument("--tie-weights", action="store_true", default=None)
+    g.add_argument("--method-opt", action="append", metavar="KEY=VALUE",
+                   help="method option (ModelConfig.opts), e.g. vipe_mode=value; combine with --tag")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
+    g = p.add_argument_group("data and evaluation")
+    g.add_argument("--train-lengths", help="e.g. 1-16 or 5,10,20")
+    g.add_argument("--test-lengths", help="e.g. 1-48")
+    g.add_argument("--task-opt", action="append", metavar="KEY=VALUE", help="task option, e.g. n_back=2")
+    g.add_argument("--n-eval", type=int, help="evaluation examples per length")
+    g.add_argument("--eval-every", type=int, help="also evaluate every N steps on the test set (the history "
+                   "feeds the papers' selection rules)")
+    g.add_argument("--held-out-lengths", help="with --eval-every: also on other examples of these lengths")
+    g.add_argument("--s-rule", choices=S_RULES, help="ViPE's test-time s (default fixed: L_test_max / L_train_max)")
+    g.add_argument("--finetune-steps", type=int, help="ViPE: steps fine-tuned with the fixed s before the test")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_cli(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NaNLoss as e:
+        print(f"error: training stopped: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"\n{e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("\ninterrupted; --resume continues from the run's last checkpoint, if it wrote one", file=sys.stderr)
+        return 130
+
+
+def speed(args, device: str, n_runs: int) -> dict:
+    """How runs are executed, never what they compute: sets args.jobs and each run's data workers
+    and CUDA graphs (see --help)."""
+    cuda = device.startswith("cuda")
+    if args.jobs is None:
+        memory = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+        args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
+    if args.jobs < 1 or (args.workers or 0) < 0:
+        raise UsageError("--jobs must be at least 1 and --workers at least 0")
+    workers = default_workers(args.jobs) if cuda else 0
+    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs}
+
+
+def default_workers(jobs: int) -> int:
+    """Data workers per run when `jobs` runs share the machine: the CPU cores per run less one, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
+
+
+def describe(args) -> str:
+    """The text of --help-method / --help-task."""
+    if args.help_method:
+        check_method(args.help_method)
+        opts = METHODS[args.help_method].options
+        return f"method {args.help_method}: --method-opt KEY=VALUE with KEY one of\n" + \
+            "\n".join(f"  {k:16s} {v}" for k, v in opts.items()) if opts else f"method {args.help_method}: no options"
+    if args.help_task not in TASKS:
+        raise UsageError(f"unknown task {args.help_task!r}; valid tasks: {', '.join(TASKS)}")
+    task = TASKS[args.help_task]
+    params = inspect.signature(task._sample).parameters
+    opts = "\n".join(f"  {k}={params[k].default!r}" for k in task.options()) or "  none"
+    return f"{inspect.getdoc(task)}\n\n--task-opt options (defaults):\n{opts}"
+
+
+def run_cli(args) -> int:
+    if args.help_method or args.help_task:
+        print(describe(args))
+        return 0
+    device = resolve_device(args.device)
+    preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
+    if args.reproduce:
+        return reproduce(args, device, preset_name)
+    methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
+    if not methods or not args.task:
+        raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
+    for m in methods:
+        check_method(m)
+    seeds = parse_list(args.seeds, int, "--seeds")
+    values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
+                  n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
+                  tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                  warmup=args.warmup, weight_decay=args.weight_decay, curriculum=args.curriculum,
+                  train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
+                  test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
+                  task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
+                  held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
+                  s_rule=args.s_rule, finetune_steps=args.finetune_steps,
+                  compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
+    cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
+                        preset_name) for m in methods for s in seeds]
+    for cfg in cfgs:   # every run is checked before the first one starts
+        validate(cfg)
+    if preset_name == "cpu":
+        print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
+              "(run on a GPU for the paper's setting).")
+    run_many(cfgs, args.jobs, args.resume)
+    for cfg in cfgs:
+        summarize(cfg.run_dir().parent)
+    plot = plot_task(Path(args.out) / args.task)
+    print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
+    return 0
+
+
+def reproduce(args, device: str, preset_name: str) -> int:
+    """--reproduce NAME | all: train the runs not present yet, then the tables and figures of each experiment."""
+    EXPERIMENTS = experiments.EXPERIMENTS
+    names = list(EXPERIMENTS) if args.reproduce == "all" else [args.reproduce]
+    for name in names:
+        if name not in EXPERIMENTS:
+            raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
+    n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
+    how = speed(args, device, n_runs)
+    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
+    for cfgs in plans.values():
+        for cfg in cfgs:
+            validate(cfg)
+    if preset_name == "cpu":
+        print("Using the small CPU preset: the table will not show the paper's numbers.")
+    out = Path(args.out)
+    tables = []
+    for name, cfgs in plans.items():
+        print(f"== {name}: {len(cfgs)} runs")
+        todo = []
+        for cfg in cfgs:
+            if (cfg.run_dir() / "metrics.json").exists() and not args.force:
+                print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
+            else:
+                todo.append(cfg)
+        run_many(todo, args.jobs)
+        for cfg in cfgs:
+            summarize(cfg.run_dir().parent)
+        for task in sorted({c.task for c in cfgs}):
+            plot_task(out / task)
+        table = experiment_table(name, EXPERIMENTS[name], out)
+        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
+        if EXPERIMENTS[name].sweep:
+            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
+        print(table)
+        tables.append(table)
+    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
+        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
+        print(f"wrote {out / 'reproduce' / 'all.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,6 +201,37 @@ def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
     assert same_run(full, part)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_and_nan_stop_with_cuda_graphs_and_workers(tmp_path, monkeypatch):
+    """On the GPU with CUDA graphs and 2 data workers: a run interrupted after step 12 (checkpoint at
+    10) and resumed follows the uninterrupted run (its graphs are captured again after the resume);
+    a NaN loss still stops the run with its step. Tolerance: bf16 autocast, and kernels that add in
+    another order from one launch to the next (atomics in backward passes)."""
+    gpu = dict(device="cuda", graphs=True, workers=2)
+    full = tiny_config(tmp_path / "a", **gpu)
+    train.train(full, log=lambda *_: None)
+    part = tiny_config(tmp_path / "b", **gpu)
+    real, calls = train.Step.__call__, {"n": 0}
+
+    def crash_after_12(self, batch):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise KeyboardInterrupt
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", crash_after_12)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(part, log=lambda *_: None)
+    monkeypatch.setattr(train.Step, "__call__", real)
+    assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 10
+    train.train(part, resume=True, log=lambda *_: None)
+    la, lb = (json.loads((c.run_dir() / "metrics.json").read_text())["loss"] for c in (full, part))
+    assert [s for s, _ in la] == [s for s, _ in lb] and np.allclose([v for _, v in la], [v for _, v in lb], rtol=1e-2)
+    monkeypatch.setattr(train.F, "cross_entropy", lambda logits, *a, **k: logits.sum() * float("nan"))  # capturable
+    with pytest.raises(train.NaNLoss, match=r"at step 1 "):
+        train.train(tiny_config(tmp_path / "c", **gpu), log=lambda *_: None)
+
+
 def test_data_workers_give_bit_identical_weights(tmp_path):
     """Step s's batch depends on (seed, s) only: making batches in 3 worker processes ahead of the
     loop trains exactly the model of the loop that makes them itself; another seed does not."""

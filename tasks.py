@@ -292,18 +292,18 @@ class MQRAR(Task):
     test_lengths = [384]
 
     def build(self, keys: np.ndarray, values: np.ndarray, n_back: int) -> Batch:
-        """keys, values: (n, L) indices. Walks the stream once keeping each key's last N values."""
+        """keys, values: (n, L) indices. Sorting each row's positions by key (stably, so in time
+        order within a key) puts a key's N-th most recent earlier assignment N places before it."""
         n, L = keys.shape
-        rows = np.arange(n)
-        history = np.full((n, self.n_max, n_back), -1)     # (n, K, N) most recent value first
-        count = np.zeros((n, self.n_max), dtype=np.int64)  # assignments seen per key
-        target = np.full((n, L), IGNORE)
-        for t in range(L):
-            k = keys[:, t]
-            hit = count[rows, k] >= n_back
-            target[:, t] = np.where(hit, history[rows, k, n_back - 1] + 1 + self.n_max, IGNORE)
-            history[rows, k] = np.concatenate([values[:, t:t + 1], history[rows, k, :-1]], axis=1)
-            count[rows, k] += 1
+        k8, v8 = keys.astype(np.uint8), values.astype(np.uint8)             # uint8: argsort is a radix sort
+        order = np.argsort(k8, axis=1, kind="stable")                       # (n, L) positions by key
+        k_sorted, v_sorted = np.take_along_axis(k8, order, 1), np.take_along_axis(v8, order, 1).astype(np.int64)
+        back = np.full((n, L), IGNORE)                                      # (n, L) in sorted order
+        if n_back < L:
+            hit = k_sorted[:, n_back:] == k_sorted[:, :-n_back]
+            back[:, n_back:] = np.where(hit, v_sorted[:, :-n_back] + 1 + self.n_max, IGNORE)
+        target = np.empty((n, L), dtype=np.int64)
+        np.put_along_axis(target, order, back, 1)                           # back to time order
         x = np.empty((n, 2 * L), dtype=np.int64)
         x[:, 0::2], x[:, 1::2] = keys + 1, values + 1 + self.n_max
         y = np.full((n, 2 * L), IGNORE, dtype=np.int64)

@@ -708,18 +708,19 @@ class Scan(Task):
         return None if uniform_lengths else np.array([len(_scan_by_length()[L]) for L in lengths], dtype=float)
 
     def every_example(self, length, uniform_lengths=False, **opts):
-        seqs, n_prompt = zip(*(self.tokens(*p) for p in _scan_by_length()[length]))
-        return self.lm_batch(list(seqs), list(n_prompt), length)
+        """Every command with `length` actions as one padded batch, encoded once per process."""
+        cache = self.__dict__.setdefault("_encoded", {})
+        if length not in cache:
+            seqs, n_prompt = zip(*(self.tokens(*p) for p in _scan_by_length()[length]))
+            cache[length] = self.lm_batch(list(seqs), list(n_prompt), length)
+        return cache[length]
 
     def _sample(self, n, length, rng, uniform_lengths=False):
-        pool = _scan_by_length()[length]
-        picks = rng.integers(0, len(pool), size=n)
-        seqs, n_prompt = [], []
-        for i in picks:
-            s, k = self.tokens(*pool[i])
-            seqs.append(s)
-            n_prompt.append(k)
-        return self.lm_batch(seqs, n_prompt, length)
+        every = self.every_example(length)
+        picks = torch.from_numpy(rng.integers(0, len(every.x), size=n))      # (n,) commands drawn
+        x, y = every.x[picks], every.y[picks]
+        T = int((x != self.pad_id).sum(1).max())                            # the longest drawn row
+        return Batch(x[:, :T].contiguous(), y[:, :T].contiguous(), every.length[picks])
 
 
 class ScanCoT(Scan):

@@ -497,3 +497,17 @@ def test_scan_draws_commands_as_the_split_has_them_and_evaluates_every_one():
     every = task.every_example(24)
     commands = {" ".join(task.decode(row)).split(" = ")[0] for row in every.x}
     assert len(every.x) == len(commands) == counts.get(24, len(tasks._scan_by_length()[24])) == 336
+
+
+@pytest.mark.parametrize("name", ["scan", "scan_cot"])
+def test_scan_batches_equal_the_token_by_token_encoding(name):
+    """A sampled batch is the rows of the encoded commands it drew (encoded once per process),
+    exactly what encoding those commands one by one gives, padded to the longest drawn row."""
+    task = TASKS[name]
+    for length in (1, 22, 30):
+        batch = task.sample(40, length, np.random.default_rng(5))
+        pool = tasks._scan_by_length()[length]
+        picks = np.random.default_rng(5).integers(0, len(pool), size=40)
+        seqs, n_prompt = zip(*(task.tokens(*pool[i]) for i in picks))
+        ref = task.lm_batch(list(seqs), list(n_prompt), length)
+        assert torch.equal(batch.x, ref.x) and torch.equal(batch.y, ref.y) and torch.equal(batch.length, ref.length)

@@ -418,15 +418,23 @@ class Stack(Task):
         return prompt + [str(a) for a in answer] + ["<eos>"], len(prompt)
 
     def _sample(self, n, length, rng):
-        seqs, n_prompt = [], []
-        for _ in range(n):
-            m = int(rng.integers(0, length + 1))  # initial stack size; the rest are actions
-            stack = rng.integers(0, 2, size=m).tolist()
-            actions = rng.integers(2, 5, size=length - m).tolist()
-            s, k = self.tokens(stack, actions)
-            seqs.append(s)
-            n_prompt.append(k)
-        return self.lm_batch(seqs, n_prompt, length)
+        """Every row at once: `tokens` for the stacks and actions drawn, the stacks run as arrays."""
+        m = rng.integers(0, length + 1, size=n)                   # (n,) initial stack size; the rest are actions
+        first = np.arange(length) < m[:, None]                    # (n, L) part of the initial stack
+        prompt = np.where(first, rng.integers(0, 2, size=(n, length)), rng.integers(2, 5, size=(n, length)))
+        rows, stack = np.arange(n), np.zeros((n, length + 1), dtype=np.int64)   # (n, L + 1) bottom first
+        size = np.zeros(n, dtype=np.int64)
+        for j in range(length):
+            push = first[:, j] | (prompt[:, j] >= 3)              # an initial value, PUSH 0 or PUSH 1
+            value = np.where(first[:, j], prompt[:, j], prompt[:, j] - 3)
+            stack[rows, size] = np.where(push, value, stack[rows, size])
+            size = np.where(push, size + 1, np.maximum(size - 1, 0))   # POP on an empty stack: ignored
+        i = np.arange(length + 1)                                 # answer: top -> bottom, 2, zeros
+        below_top = np.take_along_axis(stack, np.clip(size[:, None] - 1 - i, 0, length), 1)
+        answer = np.where(i < size[:, None], below_top, np.where(i == size[:, None], 2, 0))
+        seq = np.concatenate([prompt + 1, np.full((n, 1), self.stoi["="]), answer + 1,   # digit d: id d + 1
+                              np.full((n, 1), self.stoi["<eos>"])], axis=1)           # (n, 2L + 3)
+        return self.lm_arrays(seq, np.broadcast_to(np.arange(2 * length + 3) > length, seq.shape), length)
 
 
 def _digits_lsd_first(v: int) -> list[int]:

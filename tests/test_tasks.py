@@ -511,3 +511,20 @@ def test_scan_batches_equal_the_token_by_token_encoding(name):
         seqs, n_prompt = zip(*(task.tokens(*pool[i]) for i in picks))
         ref = task.lm_batch(list(seqs), list(n_prompt), length)
         assert torch.equal(batch.x, ref.x) and torch.equal(batch.y, ref.y) and torch.equal(batch.length, ref.length)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 40, 150])
+def test_stack_batches_equal_the_reference_tokens(length):
+    """The vectorised sampler builds, row by row, exactly `tokens(stack, actions)` of the prompt it
+    drew (the initial stack is the prompt's 0/1 prefix, the actions the rest), and draws initial
+    stacks of every size from 0 to length."""
+    task = TASKS["stack"]
+    batch = task.sample(300, length, rng())
+    sizes = set()
+    for b in range(300):
+        prompt = [int(t) for t in prompt_tokens(task, batch, b)[:-1]]
+        m = next((j for j, t in enumerate(prompt) if t >= 2), length)
+        seq, k = task.tokens(prompt[:m], prompt[m:])
+        assert prompt_tokens(task, batch, b) == seq[:k] and answer_tokens(task, batch, b) == seq[k:]
+        sizes.add(m)
+    assert sizes == set(range(length + 1)) or length == 150

@@ -535,14 +535,47 @@ class MulCoT(Task):
         prompt = f"{a}x{b}="
         return list(prompt + f"{a}x[" + "+".join(terms) + "]."), len(prompt)
 
+    def template(self, k: int, length: int) -> tuple[np.ndarray, int]:
+        """The layout of `tokens(a, b)` for a of k digits and b of `length` digits: per position an
+        index into [a's digits, b's digits, the vocabulary's ids] (one row of `_sample`'s table),
+        and the prompt's length."""
+        digit_a = lambda i: i                                   # noqa: E731
+        digit_b = lambda i: k + i                               # noqa: E731
+        tok = lambda t: k + length + self.stoi[t]               # noqa: E731
+        A, B = [digit_a(i) for i in range(k)], [digit_b(i) for i in range(length)]
+        prompt = A + [tok("x")] + B + [tok("=")]
+        terms = []
+        for i in range(length):
+            terms += ([tok("+")] if i else []) + [B[i], tok("*"), tok("("), B[i], tok("→"), tok("1"), tok(")")]
+            for j in range(i + 1, length):
+                terms += [tok("("), B[j], tok("→"), tok("0"), tok(")")]
+        return np.array(prompt + A + [tok("x"), tok("[")] + terms + [tok("]"), tok(".")]), len(prompt)
+
     def _sample(self, n, length, rng):
-        seqs, n_prompt = [], []
-        for _ in range(n):
-            a = _uniform_with_digits(rng, int(rng.integers(1, length + 1)))
-            s, k = self.tokens(a, _uniform_with_digits(rng, length))
-            seqs.append(s)
-            n_prompt.append(k)
-        return self.lm_batch(seqs, n_prompt, length)
+        """Every row at once: a's digit count uniform in 1..length, then per count one gather of
+        the digits drawn (and the fixed tokens) through `template`."""
+        k = rng.integers(1, length + 1, size=n)                             # (n,) digits of a
+        a = rng.integers(0, 10, size=(n, length))                           # (n, L) a's digits, first k used
+        a[:, 0] = np.where(k == 1, a[:, 0], rng.integers(1, 10, size=n))    # no leading zero
+        b = rng.integers(0, 10, size=(n, length))
+        b[:, 0] = rng.integers(0 if length == 1 else 1, 10, size=n)
+        ids = np.concatenate([a + self.stoi["0"], b + self.stoi["0"]], axis=1)    # (n, 2L) digit ids
+        layouts = {int(c): self.template(int(c), length) for c in np.unique(k)}
+        T = max(len(t) for t, _ in layouts.values())
+        seq = np.full((n, T), self.pad_id, dtype=np.int64)
+        supervised = np.zeros((n, T), dtype=bool)
+        vocab_ids = np.arange(len(self.vocab))
+        for c, (t, n_prompt) in layouts.items():
+            rows = np.flatnonzero(k == c)
+            table = np.concatenate([ids[rows][:, :c], ids[rows][:, length:],
+                                    np.broadcast_to(vocab_ids, (len(rows), len(vocab_ids)))], axis=1)
+            seq[rows, :len(t)] = table[:, t]
+            supervised[rows, n_prompt:len(t)] = True
+        x = seq[:, :-1].copy()                                   # a row's last token is no input:
+        x[(x == self.stoi["."]) & ~supervised[:, 1:]] = self.pad_id   # as lm_batch, x = seq[:-1] per row
+        y = torch.from_numpy(np.where(supervised[:, 1:], seq[:, 1:], IGNORE))
+        x = torch.from_numpy(x)
+        return Batch(x, y, torch.full((n,), length, dtype=torch.long))
 
 
 class DynStrCpy(Task):

@@ -528,3 +528,22 @@ def test_stack_batches_equal_the_reference_tokens(length):
         assert prompt_tokens(task, batch, b) == seq[:k] and answer_tokens(task, batch, b) == seq[k:]
         sizes.add(m)
     assert sizes == set(range(length + 1)) or length == 150
+
+
+@pytest.mark.parametrize("length", [1, 2, 9, 20])
+def test_mul_cot_batches_equal_the_reference_tokens(length):
+    """The vectorised sampler builds, row by row, exactly the `tokens(a, b)` of the operands in its
+    prompt, padded as lm_batch pads; a has 1..length digits, b exactly length, no leading zeros."""
+    task = TASKS["mul_cot"]
+    batch = task.sample(200, length, rng())
+    seqs, n_prompt, digits_a = [], [], set()
+    for r in range(200):
+        a, b = "".join(prompt_tokens(task, batch, r))[:-1].split("x")
+        assert len(b) == length and str(int(a)) == a and str(int(b)) == b
+        seq, k = task.tokens(int(a), int(b))
+        seqs.append(seq)
+        n_prompt.append(k)
+        digits_a.add(len(a))
+    ref = task.lm_batch(seqs, n_prompt, length)
+    assert torch.equal(batch.x, ref.x) and torch.equal(batch.y, ref.y)
+    assert digits_a == set(range(1, length + 1))

@@ -37,12 +37,65 @@ import numpy as np
 import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
-from experiments import experiment_configs, experiment_table, plot_sweep, plot_task, results_table, summarize
-from model import batch_context
+from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
 from tasks import TASKS, Task
-from train import (CKPT, METHODS, PRESETS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, make_config,
-                   resolve_device, save_atomic, summary_line, train)
+from model import ModelConfig, batch_context
+from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, save_atomic,
+                   summary_line, train)
 from vipe import S_RULES
+
+
+# =============================================================================================
+# Configs: a preset, overridden by flags
+# =============================================================================================
+
+# Presets: the paper's model for each task on a GPU, a small one on a CPU. Steps are scaled so a
+# run takes minutes; EXPERIMENTS records what was scaled for each headline result.
+PRESETS = {
+    "gpu": {
+        "default": dict(d_model=128, n_layers=2, n_heads=4, steps=3000, batch_size=64, lr=1e-3),
+        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=5000, batch_size=64, lr=1e-3),
+        "a5": dict(d_model=256, n_layers=2, n_heads=4, steps=6000, batch_size=128),
+        "mqrar": dict(d_model=256, n_layers=2, n_heads=2, steps=6000, batch_size=64),
+        "polynomial": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
+        "parity": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
+        "binary_copy": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
+        "scan": dict(d_model=256, n_layers=6, n_heads=4, steps=6000, batch_size=128, lr=3e-4),
+        "add_padded": dict(d_model=256, n_layers=6, n_heads=8, steps=6000, batch_size=128, lr=3e-4),
+        "mul_padded": dict(d_model=256, n_layers=6, n_heads=8, steps=6000, batch_size=128, lr=3e-4),
+    },
+    "cpu": {
+        "default": dict(d_model=64, n_layers=2, n_heads=4, steps=300, batch_size=32, lr=2e-3, n_eval=64),
+        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=600, batch_size=32, lr=3e-3, n_eval=128),
+        "mqrar": dict(d_model=64, n_layers=2, n_heads=2, steps=300, batch_size=16, lr=2e-3, n_eval=32),
+    },
+}
+
+
+def preset(name: str, task: str) -> dict:
+    p = PRESETS[name]
+    return {**p["default"], **p.get(task, {})}
+
+
+def make_config(values: dict, preset_name: str) -> TrainConfig:
+    """TrainConfig from a preset, overridden by `values` (TrainConfig or ModelConfig fields)."""
+    merged = {**preset(preset_name, values["task"]), **{k: v for k, v in values.items() if v is not None}}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(merged) - model_fields - train_fields
+    if unknown:
+        raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    model = ModelConfig(**{k: v for k, v in merged.items() if k in model_fields})
+    model.method = merged["method"]
+    cfg = TrainConfig(**{k: v for k, v in merged.items() if k in train_fields and k != "model"}, model=model)
+    cfg.preset = preset_name
+    return cfg
+
+
+def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str, how=None) -> list[TrainConfig]:
+    """The configs of every run and seed; `how`: settings of execution (workers, graphs) for all."""
+    return [make_config({**run, **(how or {}), "seed": seed, "device": device, "out": out}, preset_name)
+            for run in exp.runs for seed in exp.seeds]
 
 
 # =============================================================================================
@@ -100,6 +153,17 @@ def validate(cfg: TrainConfig) -> Task:
     except (ValueError, TypeError) as e:
         raise UsageError(f"method {cfg.method!r}: {e}") from None
     return task
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UsageError(f"unknown device {name!r} (use auto, cpu or cuda)")
+    return name
+
 
 
 def check_writable(out: Path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train import TrainConfig, fmt_time, make_config, save_atomic
+from train import fmt_time, save_atomic
 
 
 # =============================================================================================
@@ -334,12 +334,6 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64, "
                "3 uniform slots"),
 }
-
-
-def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str, how=None) -> list[TrainConfig]:
-    """The configs of every run and seed; `how`: settings of execution (workers, graphs) for all."""
-    return [make_config({**run, **(how or {}), "seed": seed, "device": device, "out": out}, preset_name)
-            for run in exp.runs for seed in exp.seeds]
 
 
 def experiment_table(name: str, exp: Experiment, out: Path) -> str:

@@ -160,6 +160,50 @@ def sample_mixed(task: Task, n: int, lengths: list[int], rng: np.random.Generato
     return collate(parts, task.pad_id)
 
 
+def curriculum_lengths(step: int, steps: int, lengths: list[int]) -> list[int]:
+    """PRISM's length curriculum (section 6.4) scaled to a run of `steps` steps: the maximum length
+    steps through 5, 10, 20, 30, ... up to the largest training length during the first half of
+    the steps, in equal parts, then stays there."""
+    top = max(lengths)
+    caps = [c for c in [5] + list(range(10, top, 10)) if c < top] + [top]
+    stage = min(len(caps) - 1, int(step / max(1, steps // 2) * len(caps)))
+    allowed = [L for L in lengths if L <= caps[stage]]
+    return allowed or [min(lengths)]
+
+
+class TrainBatches(torch.utils.data.Dataset):
+    """The training stream: step s's batch is sample_mixed with the generator seeded by (seed, s),
+    so worker processes can make batches ahead of the loop in any order, and a resumed run
+    continues the same stream. With curriculum, the lengths of step s are curriculum_lengths'."""
+
+    def __init__(self, task: Task, lengths: list[int], batch_size: int, seed: int, steps: int,
+                 curriculum: bool = False, **opts):
+        self.task, self.lengths, self.batch_size, self.seed = task, lengths, batch_size, seed
+        self.steps, self.curriculum, self.opts = steps, curriculum, opts
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, step: int) -> Batch:
+        lengths = curriculum_lengths(step, self.steps, self.lengths) if self.curriculum else self.lengths
+        return sample_mixed(self.task, self.batch_size, lengths, np.random.default_rng([self.seed, 0, step]),
+                            **self.opts)
+
+    def loader(self, start: int, end: int, workers: int = 0):
+        """The batches of steps start .. end - 1, in order; with workers > 0 made by that many
+        processes, up to 4 batches each ahead. Workers send numpy arrays: one pickled message per
+        batch, where torch tensors would each pass a shared-memory file descriptor."""
+        loader = torch.utils.data.DataLoader(
+            self, batch_size=None, sampler=range(start, end), num_workers=workers,
+            prefetch_factor=4 if workers else None, collate_fn=_to_numpy,
+            generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
+        return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
+
+
+def _to_numpy(batch: Batch) -> tuple:
+    return tuple(None if t is None else t.numpy() for t in (batch.x, batch.y, batch.length, batch.slot))
+
+
 # =============================================================================================
 # PaTH tasks: flip-flop, A5 word problem, MQRAR-N
 # =============================================================================================

@@ -1,22 +1,16 @@
-"""One run: the method registry, the training config and presets, the data stream, the optimiser
-step (CUDA graphs on a GPU), the loop with checkpoints, and evaluation.
+"""One run: the method registry, the training config, the optimiser step (CUDA graphs on a GPU),
+the loop with its checkpoints, and evaluation. The command line and its checks are in cli.py.
 
-    python train.py --method rope --task flipflop          # the command line: cli.py
-    import train; metrics = train.train(train.make_config(dict(task="copy", method="rope"), "cpu"))
+    python train.py --method rope --task flipflop
+    import cli, train; metrics = train.train(cli.make_config(dict(task="copy", method="rope"), "cpu"))
 
-`train` trains the shared Transformer of model.py on data generated on the fly, evaluates
-exact-match and token accuracy at every test length in one teacher-forced pass per batch (for a
-causal model this equals greedy decoding; tests/test_train.py checks it), and writes
-runs/<task>/<method>/seed<S>/{metrics.json, model.pt} and a checkpoint. It takes its config as
-valid: cli.run checks the config and the run folder first, and experiments.py draws the tables and
-figures. On a GPU the presets follow the papers' settings (scaled to minutes); on a CPU a small
-preset shows the mechanics.
-
-Shapes: B batch, T time, V vocabulary.
+`train` trains the shared Transformer of model.py on data generated on the fly (tasks.py), then
+evaluates exact match and token accuracy at every test length in one teacher-forced pass per batch
+(for a causal model this equals greedy decoding; tests/test_train.py checks it), and writes
+runs/<task>/<method>/seed<S>/{metrics.json, model.pt}. Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -37,7 +31,7 @@ import upe
 import vipe
 from examples import relative_bias
 from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context
-from tasks import IGNORE, TASKS, Batch, Task, collate, sample_mixed
+from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, collate
 
 # Every position encoding by name: one line each. A new encoding is a Method in its own file
 # (see examples/relative_bias.py) and one line here.
@@ -182,34 +176,6 @@ class TrainConfig:
         return Path(self.out) / self.task / name / f"seed{self.seed}"
 
 
-# Presets: the paper's model for each task on a GPU, a small one on a CPU. Steps are scaled so a
-# run takes minutes; EXPERIMENTS records what was scaled for each headline result.
-PRESETS = {
-    "gpu": {
-        "default": dict(d_model=128, n_layers=2, n_heads=4, steps=3000, batch_size=64, lr=1e-3),
-        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=5000, batch_size=64, lr=1e-3),
-        "a5": dict(d_model=256, n_layers=2, n_heads=4, steps=6000, batch_size=128),
-        "mqrar": dict(d_model=256, n_layers=2, n_heads=2, steps=6000, batch_size=64),
-        "polynomial": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
-        "parity": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
-        "binary_copy": dict(d_model=128, n_layers=2, n_heads=1, steps=4000, batch_size=256, lr=3e-4),
-        "scan": dict(d_model=256, n_layers=6, n_heads=4, steps=6000, batch_size=128, lr=3e-4),
-        "add_padded": dict(d_model=256, n_layers=6, n_heads=8, steps=6000, batch_size=128, lr=3e-4),
-        "mul_padded": dict(d_model=256, n_layers=6, n_heads=8, steps=6000, batch_size=128, lr=3e-4),
-    },
-    "cpu": {
-        "default": dict(d_model=64, n_layers=2, n_heads=4, steps=300, batch_size=32, lr=2e-3, n_eval=64),
-        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=600, batch_size=32, lr=3e-3, n_eval=128),
-        "mqrar": dict(d_model=64, n_layers=2, n_heads=2, steps=300, batch_size=16, lr=2e-3, n_eval=32),
-    },
-}
-
-
-def preset(name: str, task: str) -> dict:
-    p = PRESETS[name]
-    return {**p["default"], **p.get(task, {})}
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to lr * min_lr_ratio; a pure function of the step, so
     resuming needs no scheduler state."""
@@ -219,26 +185,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def curriculum_lengths(step: int, cfg: TrainConfig, lengths: list[int]) -> list[int]:
-    """PRISM's length curriculum (section 6.4) scaled to the run: the maximum length steps
-    through 5, 10, 20, 30, ... up to the largest training length during the first half of the
-    steps, in equal parts, then stays there."""
-    top = max(lengths)
-    caps = [c for c in [5] + list(range(10, top, 10)) if c < top] + [top]
-    stage = min(len(caps) - 1, int(step / max(1, cfg.steps // 2) * len(caps)))
-    allowed = [L for L in lengths if L <= caps[stage]]
-    return allowed or [min(lengths)]
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise UsageError(f"unknown device {name!r} (use auto, cpu or cuda)")
-    return name
-
+def device_of(name: str) -> str:
+    """"auto": CUDA where there is a GPU, else the CPU; any other name as given (cli checks it)."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def git_hash() -> str:
@@ -268,7 +217,6 @@ def save_atomic(obj, path: Path):
             os.remove(tmp)
 
 
-
 CKPT = "checkpoint.pt"
 
 
@@ -279,38 +227,6 @@ class NaNLoss(Exception):
 def fmt_time(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-class TrainBatches(torch.utils.data.Dataset):
-    """Step s's training batch is a pure function of (seed, s): worker processes can make batches
-    ahead of the loop in any order, and a resumed run continues the same stream."""
-
-    def __init__(self, cfg: TrainConfig, task: Task, lengths: list[int]):
-        self.cfg, self.task, self.lengths = cfg, task, lengths
-
-    def __len__(self):
-        return self.cfg.steps
-
-    def __getitem__(self, step: int) -> Batch:
-        cfg = self.cfg
-        lengths = curriculum_lengths(step, cfg, self.lengths) if cfg.curriculum else self.lengths
-        return sample_mixed(self.task, cfg.batch_size, lengths, np.random.default_rng([cfg.seed, 0, step]),
-                            **cfg.task_opts)
-
-
-def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: int | None = None):
-    """The batches of steps start .. end - 1 (default cfg.steps - 1), in order; with cfg.workers > 0 made by that many
-    processes, up to 4 batches each ahead of the step. Workers send numpy arrays: one pickled
-    message per batch, where torch tensors would each pass a shared-memory file descriptor."""
-    loader = torch.utils.data.DataLoader(
-        TrainBatches(cfg, task, lengths), batch_size=None, sampler=range(start, end or cfg.steps),
-        num_workers=cfg.workers, prefetch_factor=4 if cfg.workers else None, collate_fn=to_numpy,
-        generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
-    return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
-
-
-def to_numpy(batch: Batch) -> tuple:
-    return tuple(None if t is None else t.numpy() for t in (batch.x, batch.y, batch.length, batch.slot))
 
 
 class Step:
@@ -409,14 +325,11 @@ class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped a run between two steps, after it wrote its checkpoint."""
 
 
-
-
-
 def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None = None) -> dict:
     """Train one model from cfg (or continue its checkpoint), evaluate it, write metrics.json and
     model.pt in cfg.run_dir(); return the metrics. The loop stops with a checkpoint when flag["stop"]
     is set (cli.run sets it on SIGINT/SIGTERM). The config is taken as valid: cli.validate checks it."""
-    task, flag, device = TASKS[cfg.task], flag or {"stop": None}, resolve_device(cfg.device)
+    task, flag, device = TASKS[cfg.task], flag or {"stop": None}, device_of(cfg.device)
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
     ckpt = torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False) if resume else None
     train_lengths = cfg.train_lengths or task.train_lengths
@@ -473,7 +386,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             losses.append([first + k, v])
         pending.clear()
 
-    stream = batches(cfg, task, train_lengths, step)
+    stream = batches(cfg, task, train_lengths, step, cfg.steps)
     while step < cfg.steps:
         if flag["stop"]:
             flush()
@@ -544,6 +457,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     return metrics
 
 
+def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: int):
+    """The training batches of steps start .. end - 1 (tasks.TrainBatches), cfg.workers processes ahead."""
+    stream = TrainBatches(task, lengths, cfg.batch_size, cfg.seed, cfg.steps, cfg.curriculum, **cfg.task_opts)
+    return stream.loader(start, end, cfg.workers)
+
+
 def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, s: float):
     """ViPE's fine-tuning with compressed distances (the paper's eq. 7): cfg.finetune_steps more
     steps of the same data stream at the final learning rate, every attention call with s."""
@@ -575,22 +494,6 @@ def summary_line(rows, train_max) -> str:
     if rows and rows[0]["variant"]:
         return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
     return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"
-
-
-
-def make_config(values: dict, preset_name: str) -> TrainConfig:
-    """TrainConfig from a preset, overridden by `values` (TrainConfig or ModelConfig fields)."""
-    merged = {**preset(preset_name, values["task"]), **{k: v for k, v in values.items() if v is not None}}
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = set(merged) - model_fields - train_fields
-    if unknown:
-        raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-    model = ModelConfig(**{k: v for k, v in merged.items() if k in model_fields})
-    model.method = merged["method"]
-    cfg = TrainConfig(**{k: v for k, v in merged.items() if k in train_fields and k != "model"}, model=model)
-    cfg.preset = preset_name
-    return cfg
 
 
 if __name__ == "__main__":   # the command line lives in cli.py

@@ -291,7 +291,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
         for mode, how in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
                 how = {**how, "workers": cli.default_workers(1) if how["workers"] is None else how["workers"]}
-                cfg = train.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
+                cfg = cli.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
                                              n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
                                              ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")
                 m = train.train(cfg, log=lambda *_: None)

@@ -4,8 +4,7 @@ import json
 import pytest
 
 import experiments
-from cli import main, validate
-from train import make_config
+from cli import main, make_config, validate
 
 
 def run_cli(capsys, *args):

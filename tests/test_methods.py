@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import cli
 import train
 from model import Method, Model, ModelConfig
-from tasks import IGNORE, TASKS, sample_mixed
+from tasks import IGNORE, TASKS, TrainBatches, sample_mixed
 
 METHODS = list(train.METHODS)
 BIDIRECTIONAL = [m for m in METHODS if not train.METHODS[m].causal_only]
@@ -63,7 +63,7 @@ def test_state_dict_round_trip(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_unknown_method_options_are_refused(method):
     """--method-opt keys a method does not declare are one-line errors that name its options."""
-    cfg = train.make_config(dict(task="copy", method=method, device="cpu", opts={"no_such_option": 1}), "cpu")
+    cfg = cli.make_config(dict(task="copy", method=method, device="cpu", opts={"no_such_option": 1}), "cpu")
     with pytest.raises(cli.UsageError, match=r"has no option 'no_such_option' \(--method-opt\); its options: "):
         cli.validate(cfg)
 
@@ -144,7 +144,7 @@ def test_cuda_graph_steps_follow_the_eager_steps(method):
     task = TASKS["copy"] if train.METHODS[method].causal_only else TASKS["add_padded"]
     losses = []
     for graphs in (False, True):
-        cfg = train.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
+        cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
                                      n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
                                      if task.name == "copy" else None), "gpu")
         cli.validate(cfg)
@@ -153,7 +153,7 @@ def test_cuda_graph_steps_follow_the_eager_steps(method):
         model = train.build_model(cfg.model).cuda()
         opt = train.make_optimizer(model, cfg, "cuda")
         step = train.Step(model, model, opt, cfg, task, "cuda")
-        data = train.TrainBatches(cfg, task, cfg.train_lengths or task.train_lengths)
+        data = TrainBatches(task, cfg.train_lengths or task.train_lengths, cfg.batch_size, cfg.seed, cfg.steps)
         losses.append(torch.stack([step(data[s]) for s in range(12)]).tolist())
         if graphs:
             assert len(step.graphs) >= 1 and len(step.graphs) < 12, "the check needs replays"

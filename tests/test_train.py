@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 import cli
+import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
-from cli import main
-from train import TrainConfig, build_model, evaluate, make_config, score
+from cli import main, make_config
+from train import TrainConfig, build_model, evaluate, score
 
 
 def tiny_config(tmp_path, **kw):
@@ -149,7 +150,7 @@ def test_schedule_and_curriculum():
     assert train.lr_at(100, cfg) == pytest.approx(0.1)
     assert train.lr_at(55, cfg) == pytest.approx(0.55)
     lengths = list(range(1, 41))
-    caps = [max(train.curriculum_lengths(s, cfg, lengths)) for s in range(0, 100, 5)]
+    caps = [max(tasks.curriculum_lengths(s, cfg.steps, lengths)) for s in range(0, 100, 5)]
     assert caps[0] == 5 and caps == sorted(caps) and caps[-1] == 40 and 10 in caps
 
 
@@ -252,7 +253,7 @@ def test_padding_to_the_graph_bucket_changes_nothing():
                                task_opts=opts), "cpu")
         t = cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(t.vocab), t.causal
-        batch = train.TrainBatches(cfg, t, t.train_lengths)[3]
+        batch = tasks.TrainBatches(t, t.train_lengths, cfg.batch_size, cfg.seed, cfg.steps, **cfg.task_opts)[3]
         assert batch.x.shape[1] % train.Step.BUCKET, "the check needs a batch that gets padded"
         results = []
         for pad in (False, True):

@@ -164,6 +164,7 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
     """A ViPE run with s_rule=fixed: s = 1 in training, the other two rules evaluated first (s per
     length, then 1), then finetune_steps steps with s = 48 / 16 = 3, then the test with s = 3.
     The layer records every s it sees, in training and in evaluation."""
+    import cli
     import train
     seen = []
     real = ViPEAttention.forward
@@ -172,9 +173,9 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
         seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
         return real(self, x, ctx)
     monkeypatch.setattr(ViPEAttention, "forward", spy)
-    run = train.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, finetune_steps=3,
-                                 d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=2,
-                                 train_lengths=[16], test_lengths=[8, 48], out=str(tmp_path)), "cpu")
+    run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, finetune_steps=3,
+                               d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=2,
+                               train_lengths=[16], test_lengths=[8, 48], out=str(tmp_path)), "cpu")
     metrics = train.train(run, log=lambda *_: None)
     trained = [s for training, _, s in seen if training]
     assert trained == [1.0] * 4 + [3.0] * 3                     # 1 layer: one call per step

@@ -178,14 +178,10 @@ def same_run(a, b):
     return all(torch.equal(wa[k], wb[k]) for k in wa) and la == lb
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
-    """Interrupted after step 12 (checkpoint at 10) and resumed, with the data made in the loop or
-    by worker processes: the same weights as the run that was never interrupted."""
-    full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
+def interrupt_and_resume(full, part, monkeypatch):
+    """Train `full` to the end; train `part` until a KeyboardInterrupt in step 13 (its checkpoint is
+    at step 10), then resume it to the end."""
     train.train(full, log=lambda *_: None)
-
-    part = tiny_config(tmp_path / "b", method="ape", ape_shift=8, workers=workers)
     real, calls = train.Step.__call__, {"n": 0}
 
     def crash_after_12(self, batch):
@@ -199,6 +195,15 @@ def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
     monkeypatch.setattr(train.Step, "__call__", real)
     assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 10
     train.train(part, resume=True, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
+    """Interrupted after step 12 (checkpoint at 10) and resumed, with the data made in the loop or
+    by worker processes: the same weights as the run that was never interrupted."""
+    full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
+    part = tiny_config(tmp_path / "b", method="ape", ape_shift=8, workers=workers)
+    interrupt_and_resume(full, part, monkeypatch)
     assert same_run(full, part)
 
 
@@ -210,22 +215,8 @@ def test_resume_and_nan_stop_with_cuda_graphs_and_workers(tmp_path, monkeypatch)
     a NaN loss still stops the run with its step. Tolerance: bf16 autocast, and kernels that add in
     another order from one launch to the next (atomics in backward passes)."""
     gpu = dict(device="cuda", graphs=True, workers=2)
-    full = tiny_config(tmp_path / "a", **gpu)
-    train.train(full, log=lambda *_: None)
-    part = tiny_config(tmp_path / "b", **gpu)
-    real, calls = train.Step.__call__, {"n": 0}
-
-    def crash_after_12(self, batch):
-        calls["n"] += 1
-        if calls["n"] > 12:
-            raise KeyboardInterrupt
-        return real(self, batch)
-    monkeypatch.setattr(train.Step, "__call__", crash_after_12)
-    with pytest.raises(KeyboardInterrupt):
-        train.train(part, log=lambda *_: None)
-    monkeypatch.setattr(train.Step, "__call__", real)
-    assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 10
-    train.train(part, resume=True, log=lambda *_: None)
+    full, part = tiny_config(tmp_path / "a", **gpu), tiny_config(tmp_path / "b", **gpu)
+    interrupt_and_resume(full, part, monkeypatch)
     la, lb = (json.loads((c.run_dir() / "metrics.json").read_text())["loss"] for c in (full, part))
     assert [s for s, _ in la] == [s for s, _ in lb] and np.allclose([v for _, v in la], [v for _, v in lb], rtol=1e-2)
     monkeypatch.setattr(train.F, "cross_entropy", lambda logits, *a, **k: logits.sum() * float("nan"))  # capturable

@@ -1,4 +1,4 @@
-"""The command line and everything that keeps a run safe: flags -> configs, input checks before
+"""The command line and everything that keeps a run safe: presets and flags -> configs, input checks
 anything is written, run folders (locks, options that must agree), signals, and running several runs
 at once. `python train.py ...` is this module's `main`.
 

@@ -1,6 +1,6 @@
-"""The command line and everything that keeps a run safe: presets and flags -> configs, input checks
-anything is written, run folders (locks, options that must agree), signals, and running several runs
-at once. `python train.py ...` is this module's `main`.
+"""The command line and everything that keeps a run safe: presets and flags -> configs, input
+checks before anything is written, run folders (locks, options that must agree), signals, and
+running several runs at once. `python train.py ...` is this module's `main`.
 
     python train.py --method rope --task flipflop          # one model, table + plot in runs/
     python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2 --jobs 3

@@ -325,14 +325,14 @@ EXPERIMENTS: dict[str, Experiment] = {
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
-        runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d})
-              for d in (1, 3) for m in ("ape", "rpe", "upe")],
+        runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
+                   n_layers=6 if d == 1 else 9) for d in (1, 3) for m in ("ape", "rpe", "upe")],
         columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
                  ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
         paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
                "ape-m3": ["", "fails", "fails", "fails", "fails"]},
-        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64, "
-               "3 uniform slots"),
+        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 6 layers for the 1-digit "
+               "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide); RPE clip 64, 3 uniform slots"),
 }
 
 

@@ -608,6 +608,7 @@ class MulCoT(Task):
         T = max(len(t) for t, _ in layouts.values())
         seq = np.full((n, T), self.pad_id, dtype=np.int64)
         supervised = np.zeros((n, T), dtype=bool)
+        ends = np.zeros(n, dtype=np.int64)                                  # (n,) tokens per row
         vocab_ids = np.arange(len(self.vocab))
         for c, (t, n_prompt) in layouts.items():
             rows = np.flatnonzero(k == c)
@@ -615,11 +616,10 @@ class MulCoT(Task):
                                     np.broadcast_to(vocab_ids, (len(rows), len(vocab_ids)))], axis=1)
             seq[rows, :len(t)] = table[:, t]
             supervised[rows, n_prompt:len(t)] = True
-        x = seq[:, :-1].copy()                                   # a row's last token is no input:
-        x[(x == self.stoi["."]) & ~supervised[:, 1:]] = self.pad_id   # as lm_batch, x = seq[:-1] per row
-        y = torch.from_numpy(np.where(supervised[:, 1:], seq[:, 1:], IGNORE))
-        x = torch.from_numpy(x)
-        return Batch(x, y, torch.full((n,), length, dtype=torch.long))
+            ends[rows] = len(t)
+        x = np.where(np.arange(T - 1) < ends[:, None] - 1, seq[:, :-1], self.pad_id)   # as lm_batch: seq[:-1] per row
+        y = np.where(supervised[:, 1:], seq[:, 1:], IGNORE)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.full((n,), length, dtype=torch.long))
 
 
 class DynStrCpy(Task):

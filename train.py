@@ -77,13 +77,13 @@ def score(logits, y):
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
              train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
-             stream: int = 1, tokens_per_batch: int = 2 ** 17) -> list[dict]:
+             stream: int = 1, tokens_per_batch: int = 2 ** 17, test_max: int | None = None) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
     gives every example of a length once instead (the row's n is then their number). Examples of
     several lengths share one forward pass, right-padded (exact, as in `Step`), up to
-    tokens_per_batch tokens."""
+    tokens_per_batch tokens. ViPE's fixed s uses test_max (default: the longest of `lengths`)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
@@ -94,7 +94,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     def pieces():                                          # (row, s, batch), in the order drawn
         for k, r in enumerate(rows):
             opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
-            s = vipe.compression(s_rule, r["length"], train_max, max(lengths)) if train_max else 1.0
+            s = vipe.compression(s_rule, r["length"], train_max, test_max or max(lengths)) if train_max else 1.0
             for start in range(0, r["n"], batch_size):
                 if every[r["length"]] is None:
                     yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
@@ -416,7 +416,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         if cfg.eval_every and step % cfg.eval_every == 0:
             history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
                                                            cfg.task_opts, max(train_lengths), s_rule=cfg.s_rule,
-                                                           stream=stream_id)
+                                                           stream=stream_id, test_max=max(test_lengths))
                                              for key, stream_id, lengths in sets}})
             log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:

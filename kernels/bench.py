@@ -292,8 +292,8 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
             with tempfile.TemporaryDirectory() as tmp:
                 how = {**how, "workers": cli.default_workers(1) if how["workers"] is None else how["workers"]}
                 cfg = cli.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
-                                             n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
-                                             ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")
+                                           n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
+                                           ckpt_every=10 ** 9, log_every=1e9, **how), "gpu")
                 m = train.train(cfg, log=lambda *_: None)
             rows.append(dict(run=f"{task} {method}", batch=cfg.batch_size, mode=mode, workers=cfg.workers,
                              steps_per_s=m["steps_per_s"], data_wait=m["data_wait"]))

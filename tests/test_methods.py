@@ -145,8 +145,8 @@ def test_cuda_graph_steps_follow_the_eager_steps(method):
     losses = []
     for graphs in (False, True):
         cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
-                                     n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
-                                     if task.name == "copy" else None), "gpu")
+                                   n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
+                                   if task.name == "copy" else None), "gpu")
         cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
         torch.manual_seed(0)

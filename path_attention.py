@@ -42,8 +42,8 @@ Usage:
     o = path_attention(q, k, v, w, beta, g=None)        # q, k, w: (B, H, T, D); beta, g: (B, H, T)
     layer = PathAttention(cfg, forget_gate=True)       # PaTH-FoX layer, cfg: train.ModelConfig
 
-Shapes: B batch, H heads, T time, D head dim (q, k, w), Dv value head dim, C block length,
-n = T / C blocks, d_model = H * D.
+Shapes: B batch, H heads, T time, D head dim (q, k, w), Dv value head dim, BL block length,
+n = T / BL blocks, d_model = H * D.
 """
 from __future__ import annotations
 
@@ -119,43 +119,43 @@ def path_attention_carry(q, k, v, w, beta, g=None, scale=None):
 # The UT transform, blockwise (shared by the PyTorch path and the Triton kernel)
 # =============================================================================================
 
-def ut_blocks(q, k, w, beta, scale, C):
-    """Per block of C tokens: the UT factors and the boundary-adjusted queries and keys.
+def ut_blocks(q, k, w, beta, scale, BL):
+    """Per block of BL tokens: the UT factors and the boundary-adjusted queries and keys.
 
-    q, k, w: (B, H, T, D) with T a multiple of C; beta: (B, H, T). Returns, in float32 (float64
+    q, k, w: (B, H, T, D) with T a multiple of BL; beta: (B, H, T). Returns, in float32 (float64
     for float64 input):
       qh: (B, H, T, D)  queries carried to the start of their block, q_i^T H_i ... H_{block start}
       kh: (B, H, T, D)  keys carried to the end of their block, H_{block end - 1} ... H_{j+1} k_j
       wb: (B, H, T, D)  w and u = A W: (B, H, T, D), the block product P = I - W^T U
-      sd: (B, H, T, C)  scaled logits inside each block (only j <= i is meaningful)"""
+      sd: (B, H, T, BL)  scaled logits inside each block (only j <= i is meaningful)"""
     with torch.autocast(q.device.type, enabled=False):   # the solve and products stay in float32
-        return _ut_blocks(q, k, w, beta, scale, C)
+        return _ut_blocks(q, k, w, beta, scale, BL)
 
 
-def _ut_blocks(q, k, w, beta, scale, C):
+def _ut_blocks(q, k, w, beta, scale, BL):
     B, H, T, D = q.shape
-    n = T // C
+    n = T // BL
     f = torch.promote_types(q.dtype, torch.float32)
-    qb, kb, wb = (x.to(f).reshape(B, H, n, C, D) for x in (q, k, w))      # (B, H, n, C, D)
-    bb = beta.to(f).reshape(B, H, n, C)                                    # (B, H, n, C)
-    eye = torch.eye(C, device=q.device, dtype=f)
-    Tm = eye + (bb[..., :, None] * (wb @ wb.mT)).tril(-1)                  # (B, H, n, C, C)
+    qb, kb, wb = (x.to(f).reshape(B, H, n, BL, D) for x in (q, k, w))      # (B, H, n, BL, D)
+    bb = beta.to(f).reshape(B, H, n, BL)                                    # (B, H, n, BL)
+    eye = torch.eye(BL, device=q.device, dtype=f)
+    Tm = eye + (bb[..., :, None] * (wb @ wb.mT)).tril(-1)                  # (B, H, n, BL, BL)
     A = torch.linalg.solve_triangular(Tm, torch.diag_embed(bb), upper=False, unitriangular=True)
-    u = A @ wb                                                             # (B, H, n, C, D)
+    u = A @ wb                                                             # (B, H, n, BL, D)
     QW = (qb @ wb.mT).tril()                                               # q_i . w_a, a <= i
     F_ = A @ (wb @ kb.mT).tril(-1)                                         # A (w_b . k_j, b > j)
     qh = qb - QW @ u
     kh = kb - F_.mT @ wb
-    sd = scale * (qb @ kb.mT - QW @ F_)                                    # (B, H, n, C, C)
+    sd = scale * (qb @ kb.mT - QW @ F_)                                    # (B, H, n, BL, BL)
     flat = lambda x: x.reshape(B, H, T, x.shape[-1])  # noqa: E731
     return flat(qh), flat(kh), flat(wb), flat(u), flat(sd)
 
 
-def _pad_time(C, *xs):
-    """Zero-pad the time axis (dim 2) to a multiple of C. A zero w with beta = 0 is H = I, and
+def _pad_time(BL, *xs):
+    """Zero-pad the time axis (dim 2) to a multiple of BL. A zero w with beta = 0 is H = I, and
     padded keys come after every real query, so padding changes no real output."""
     T = xs[0].shape[2]
-    pad = -T % C
+    pad = -T % BL
     if pad == 0:
         return xs
     return tuple(None if x is None else F.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad)) for x in xs)
@@ -167,10 +167,10 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     scale, G = _defaults(q, g, scale)
     B, H, T, D = q.shape
     q, k, v, w, beta = _pad_time(block, q, k, v, w, beta)
-    Tp, C = q.shape[2], block
-    n = Tp // C
-    qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, C)
-    split = lambda x: x.reshape(B, H, n, C, x.shape[-1])  # noqa: E731  (B, H, n, C, .)
+    Tp, BL = q.shape[2], block
+    n = Tp // BL
+    qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, BL)
+    split = lambda x: x.reshape(B, H, n, BL, x.shape[-1])  # noqa: E731  (B, H, n, BL, .)
     qh, kh, wb, u, sd = map(split, (qh, kh, wb, u, sd))
     idx = torch.arange(n, device=q.device)
     rows, cols, vals = [idx], [idx], [sd]                     # block pairs (i, m) and their logits
@@ -178,10 +178,10 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     for d in range(1, n):
         qt = qt[:, :, 1:]                                     # blocks i = d..n-1 score key block i-d
         km, wm, um = kh[:, :, : n - d], wb[:, :, : n - d], u[:, :, : n - d]
-        vals.append(scale * qt @ km.mT)                       # (B, H, n-d, C, C)
+        vals.append(scale * qt @ km.mT)                       # (B, H, n-d, BL, BL)
         rows.append(idx[d:]), cols.append(idx[: n - d])
         qt = qt - (qt @ wm.mT) @ um                           # carry through P_{i-d}
-    full = qh.new_zeros(B, H, n, n, C, C)                    # (B, H, query block, key block, C, C)
+    full = qh.new_zeros(B, H, n, n, BL, BL)                    # (B, H, query block, key block, BL, BL)
     full[:, :, torch.cat(rows), torch.cat(cols)] = torch.cat(vals, dim=2)
     logits = full.permute(0, 1, 2, 4, 3, 5).reshape(B, H, Tp, Tp)[:, :, :T, :T]
     if G is not None:

@@ -19,20 +19,20 @@ token t's histogram is token t-1's moved by token t's gates: with p_inc = 1 it c
 
 A histogram becomes a vector by superposition of a sinusoidal table f over the bins,
 g_t = sum_k h_t[k] f(k) (Algorithm 2); the cursors of a head are normalised together (Algorithm 3)
-and give position scores sum_c |alpha_{h,c}| <g_q, g_k> / sqrt(C d) (Algorithm 4), mixed with the
+and give position scores sum_c |alpha_{h,c}| <g_q, g_k> / sqrt(O d) (Algorithm 4), mixed with the
 content scores per head (eq. 8):  a_ts = mu_h <q_t, k_s> / sqrt(D) + (1 - mu_h) position_ts.
 Queries and keys have separate cursors.
 
 Usage:
 
     from prism import histogram_scan
-    hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P)    # gates: (B, C, T) -> (B, C, T, P)
+    hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P)    # gates: (B, N, T) -> (B, N, T, P)
 
     python train.py --method prism --task copy      # options: --method-opt prism_cursors / _bins / _dim / _blocks
                                                     #   / _alpha (initial alpha, 8) / _copy
     python prism.py --plot runs/copy/prism          # cursor modes, gates and attention of a trained run
 
-Shapes: B batch, T time, C cursors, P histogram bins, d sinusoid width, H heads.
+Shapes: B batch, T time, N cursors (O per head), P histogram bins, d sinusoid width, H heads.
 """
 from __future__ import annotations
 
@@ -76,20 +76,20 @@ def histogram_step_naive(h, p_reset, p_inc, p_dec, p_keep, gamma, p_copy=None, e
 
 
 def _scan(step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy=None, eps: float = 1e-6):
-    B, C, T = p_reset.shape
-    gamma = torch.as_tensor(gamma, dtype=p_reset.dtype, device=p_reset.device).expand(B, C)
-    h = torch.zeros(B, C, P, dtype=p_reset.dtype, device=p_reset.device)
+    B, N, T = p_reset.shape
+    gamma = torch.as_tensor(gamma, dtype=p_reset.dtype, device=p_reset.device).expand(B, N)
+    h = torch.zeros(B, N, P, dtype=p_reset.dtype, device=p_reset.device)
     h[..., 0] = 1                                                       # one-hot at 0 before token 0
     hist = []
     for t in range(T):
         h = step(h, p_reset[..., t], p_inc[..., t], p_dec[..., t], p_keep[..., t], gamma,
                  None if p_copy is None else p_copy[:, :, t], eps)
         hist.append(h)
-    return torch.stack(hist, 2)                                         # (B, C, T, P)
+    return torch.stack(hist, 2)                                         # (B, N, T, P)
 
 
 def histogram_scan_naive(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, eps: float = 1e-6):
-    """gates: (B, C, T); gamma: broadcastable to (B, C); p_copy: (B, C, T, P + 1) -> (B, C, T, P)."""
+    """gates: (B, N, T); gamma: broadcastable to (B, N); p_copy: (B, N, T, P + 1) -> (B, N, T, P)."""
     return _scan(histogram_step_naive, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
 
 

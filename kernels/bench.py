@@ -153,13 +153,13 @@ def upe_cases(B, H, T, D, dtype, K=256, M=3):
     return cases
 
 
-def prism_cases(B, C, T, P, dtype):
+def prism_cases(B, N, T, P, dtype):
     """PRISM's histogram scan, forward + backward through all gates (float32 state)."""
     import prism
 
     dev = DEVICE
-    gates = [torch.rand(B, C, T, device=dev, requires_grad=True) for _ in range(4)]
-    gamma = torch.full((B, C), 2.0, device=dev, requires_grad=True)
+    gates = [torch.rand(B, N, T, device=dev, requires_grad=True) for _ in range(4)]
+    gamma = torch.full((B, N), 2.0, device=dev, requires_grad=True)
 
     def triton_scan():
         from kernels.prism_scan import histogram_scan_triton
@@ -184,7 +184,7 @@ OPS = {
     "path": dict(cases=path_cases, lengths=[512, 1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
     "vipe": dict(cases=vipe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=True),
     "upe": dict(cases=upe_cases, lengths=[1024, 2048, 4096, 8192], B=8, H=32, D=64, causal=False),
-    # B, C (cursors), P (bins) in the B, H, D slots; no SDPA row, TFLOP/s not meaningful
+    # B, N (cursors), P (bins) in the B, H, D slots; no SDPA row, TFLOP/s not meaningful
     "prism": dict(cases=prism_cases, lengths=[256, 512, 1024, 2048], B=32, H=32, D=256, causal=True, flops=False),
 }
 

@@ -4,14 +4,14 @@ The math is in path_attention.py. First the per-block UT preprocessing: `UTBlock
 Triton program per block, forward and backward, 16-bit tensor-core products) for fp16/bf16 inputs
 with D >= 32, `path_attention.ut_blocks` (PyTorch, exact float32, differentiated by autograd)
 otherwise.
-Then the attention kernels see, for blocks of C tokens,
+Then the attention kernels see, for blocks of BL tokens,
 
     qh, kh: queries / keys carried to their block boundaries   (B*H, T, D)     input dtype
-    M:      the block products P_m = I - M_m, M_m = W_m^T U_m   (B*H, T/C, D, D) float32
-    sd:     the scaled logits inside each block                 (B*H, T, C)     input dtype
+    M:      the block products P_m = I - M_m, M_m = W_m^T U_m   (B*H, T/BL, D, D) float32
+    sd:     the scaled logits inside each block                 (B*H, T, BL)     input dtype
     G:      the cumulative log forget gate (optional)           (B*H, T)        float32
 
-Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at C = 64). `chunk_products_fwd`
+Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at BL = 64). `chunk_products_fwd`
 (Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
@@ -30,7 +30,7 @@ In both loops the next state is formed before the current one scores, so that th
 Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
 before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
 product needs the state and X at the same point, dP = Q~^T X, so the forward stores each state it
-scores with (one C x D tile per block pair in step 2 and per chunk in step 3: O(T D (R + T / RC))
+scores with (one BL x D tile per block pair in step 2 and per chunk in step 3: O(T D (R + T / (R BL)))
 memory), and
 
   `_bwd_dq`  (per query block, left to right) recomputes the softmax, writes X at each state,
@@ -41,7 +41,7 @@ memory), and
   `_chunk_bwd` (per chunk) takes dPL and the gradients of the suffix products S back through the
              chunk products to M, adding the attention kernels' dM = -dP; the UT backward takes dM
              on to W and U.
-Tensors are padded to a multiple of C by the caller (zero w, beta = 0: H = I), so the kernels
+Tensors are padded to a multiple of BL by the caller (zero w, beta = 0: H = I), so the kernels
 have no bounds checks. Logits are kept in base 2 (times log2 e) as in the Triton tutorial.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): the kernels keep logits in base 2
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf/path.md)
 # Warps and pipeline stages of the attention kernels at D = 64, each the fastest measured
@@ -67,14 +67,14 @@ def launch(name: str, D: int) -> dict:
     return LAUNCH[name] if D == 64 else dict(num_warps=4, num_stages=3)
 
 
-# Blocks per key tile where a query state scores a whole chunk (_fwd, _bwd_dq): 128 keys at C = 64
+# Blocks per key tile where a query state scores a whole chunk (_fwd, _bwd_dq): 128 keys at BL = 64
 # measured faster than 64 (docs/perf/path.md)
 KEY_TILE = 2
 
 
-def key_tile(C: int, R: int) -> int:
+def key_tile(BL: int, R: int) -> int:
     """Keys per tile at the chunk level: KEY_TILE blocks when they divide the chunk, else one."""
-    return C * KEY_TILE if R % KEY_TILE == 0 else C
+    return BL * KEY_TILE if R % KEY_TILE == 0 else BL
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _inter(i, R: tl.constexpr):
 
 
 def n_states(n: int, R: int) -> tuple[int, int]:
-    """How many states (C x D tiles) per batch*head the two stores hold, for n blocks."""
+    """How many states (BL x D tiles) per batch*head the two stores hold, for n blocks."""
     return sum(i % R for i in range(n)), sum(i // R for i in range(n))
 
 
@@ -104,7 +104,7 @@ def _square(P, k, rd, D: tl.constexpr):
 
 @triton.jit
 def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
-    """One online-softmax update with base-2 logits s (C, keys) and values v (keys, DV)."""
+    """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV)."""
     mnew = tl.maximum(mx, tl.max(s, 1))
     alpha = tl.exp2(mx - mnew)
     p = tl.exp2(s - mnew[:, None])
@@ -115,17 +115,17 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 
 @triton.jit
 def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
-         D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
+         D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
          HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
-    rc, rd, rv, rk = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
-    tile = rc[:, None] * D + rd[None, :]                             # one stored state (C, D)
-    row = bh * T + i * C + rc                                        # (C,) query rows
-    q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (C, D) query state
+    rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
+    tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
+    row = bh * T + i * BL + rc                                        # (BL,) query rows
+    q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
     if HAS_G:
-        gq = tl.load(G + row) * 1.4426950408889634
+        gq = tl.load(G + row) * LOG2E
     # 1. diagonal block: logits precomputed inside the block
-    s = tl.load(SD + row[:, None] * C + rc[None, :]).to(tl.float32) * 1.4426950408889634
+    s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
     if HAS_G:
         s += gq[:, None] - gq[None, :]
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
@@ -133,22 +133,22 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
     p = tl.exp2(s - mx[:, None])
     lsum = tl.sum(p, 1)
     v = tl.load(V + row[:, None] * DV + rv[None, :])
-    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                            # (C, DV) float32
+    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                            # (BL, DV) float32
     # 2. the earlier blocks of this chunk, right to left
     a = i // R
     first = bh * n_intra + _intra(i, R)
     for t in range(0, i - a * R):
         m = i - 1 - t
-        col = bh * T + m * C + rc
+        col = bh * T + m * BL + rc
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        mb = _square(MB, bh * (T // C) + m, rd, D)                                    # (D, D) M_m
+        mb = _square(MB, bh * (T // BL) + m, rd, D)                                    # (D, D) M_m
         qk = q.to(kh.dtype)
         if SAVE:
-            tl.store(QS + (first + t) * C * D + tile, qk)
+            tl.store(QS + (first + t) * BL * D + tile, qk)
         q = q - tl.dot(q, mb, input_precision=PREC)          # the next state, while this one scores
         s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
-            s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
+            s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
         v = tl.load(V + col[:, None] * DV + rv[None, :])
         mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
     # 3. the earlier chunks, right to left, one state each
@@ -157,16 +157,16 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         b = a - 1 - t
         qk = q.to(KL.dtype.element_ty)
         if SAVE:
-            tl.store(QL + (first + b) * C * D + tile, qk)
+            tl.store(QL + (first + b) * BL * D + tile, qk)
         if b > 0:                                          # the next state, while this one scores
             pl = _square(PL, bh * n_chunks + b, rd, D)
             q = tl.dot(q, pl, input_precision=PREC)
-        for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
-            ck = bh * T + b * R * C + j + rk                 # (KB,) key rows
+        for j in tl.range(0, R * BL, KB, num_stages=3):    # the chunk's keys, KB at a time
+            ck = bh * T + b * R * BL + j + rk                 # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
             if HAS_G:
-                sk += gq[:, None] - tl.load(G + ck)[None, :] * 1.4426950408889634
+                sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
             vk = tl.load(V + ck[:, None] * DV + rv[None, :])
             mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
     tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
@@ -180,7 +180,7 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
     rows col. Returns dS = dL/d(logit), (queries, keys)."""
     s = tl.dot(qs, tl.trans(k), input_precision=PREC16) * qk_scale
     if HAS_G:
-        s += gq[:, None] - tl.load(G + col)[None, :] * 1.4426950408889634
+        s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
     p = tl.exp2(s - lse[:, None])
     v = tl.load(V + col[:, None] * DV + rv[None, :])
     return p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])
@@ -188,40 +188,40 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 
 @triton.jit
 def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
-            n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+            n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
             R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
             PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
-    rc, rd, rv, rk = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
+    rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]
-    row = bh * T + i * C + rc
+    row = bh * T + i * BL + rc
     do = tl.load(DO + row[:, None] * DV + rv[None, :])
     lse = tl.load(LSE + row)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * DV + rv[None, :]).to(tl.float32), 1)
     tl.store(DELTA + row, delta)                                     # rowsum(dO * O), for _bwd_dkv
-    gq = tl.load(G + row) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
+    gq = tl.load(G + row) * LOG2E if HAS_G else tl.zeros([BL], tl.float32)
     # diagonal block
-    s = tl.load(SD + row[:, None] * C + rc[None, :]).to(tl.float32) * 1.4426950408889634
+    s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
     if HAS_G:
         s += gq[:, None] - gq[None, :]
     s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
     p = tl.exp2(s - lse[:, None])
     v = tl.load(V + row[:, None] * DV + rv[None, :])
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])  # dL/d(logit)
-    tl.store(DSD + row[:, None] * C + rc[None, :], ds.to(DSD.dtype.element_ty))
+    tl.store(DSD + row[:, None] * BL + rc[None, :], ds.to(DSD.dtype.element_ty))
     dg = tl.sum(ds, 1)
-    x = tl.zeros([C, D], dtype=tl.float32)
+    x = tl.zeros([BL, D], dtype=tl.float32)
     # the earlier chunks, left to right: X is stored before PL_b, then carried through it
     a = i // R
     first = bh * n_inter + _inter(i, R)
     for b in range(0, a):
-        at = (first + b) * C * D + tile
+        at = (first + b) * BL * D + tile
         tl.store(XL + at, x.to(XL.dtype.element_ty))
         qs = tl.load(QL + at)
         pl = _square(PL, bh * n_chunks + b, rd, D)
         x = tl.dot(x, tl.trans(pl), input_precision=PREC)
-        for j in tl.range(0, R * C, KB, num_stages=3):    # the chunk's keys, KB at a time
-            ck = bh * T + b * R * C + j + rk
+        for j in tl.range(0, R * BL, KB, num_stages=3):    # the chunk's keys, KB at a time
+            ck = bh * T + b * R * BL + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
             dg += tl.sum(dsk, 1)
@@ -229,14 +229,14 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
     # the earlier blocks of this chunk, left to right
     first = bh * n_intra + _intra(i, R)
     for m in tl.range(a * R, i, num_stages=2):
-        col = bh * T + m * C + rc
-        at = (first + i - 1 - m) * C * D + tile
+        col = bh * T + m * BL + rc
+        at = (first + i - 1 - m) * BL * D + tile
         tl.store(XS + at, x.to(XS.dtype.element_ty))
         qs = tl.load(QS + at)
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
-        mb = _square(MB, bh * (T // C) + m, rd, D)
+        mb = _square(MB, bh * (T // BL) + m, rd, D)
         x = x - tl.dot(x, tl.trans(mb), input_precision=PREC)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
@@ -249,9 +249,9 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
               DV: tl.constexpr, PREC16: tl.constexpr):
     """One (key block, query block) pair of `_bwd_dkv`, kept transposed (keys x queries) so that P^T
     and dS^T are left operands as computed: adds to dV and the key side of dG, returns dS^T."""
-    st = tl.dot(k, tl.trans(qs), input_precision=PREC16) * qk_scale            # (C keys, C queries)
+    st = tl.dot(k, tl.trans(qs), input_precision=PREC16) * qk_scale            # (BL keys, BL queries)
     if HAS_G:
-        st += tl.load(G + row)[None, :] * 1.4426950408889634 - gk[:, None]
+        st += tl.load(G + row)[None, :] * LOG2E - gk[:, None]
     pt = tl.exp2(st - tl.load(LSE + row)[None, :])
     do = tl.load(DO + row[:, None] * DV + rv[None, :])
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC16)
@@ -262,56 +262,56 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
 
 @triton.jit
 def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, T, n_blocks,
-             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-             R: tl.constexpr, HAS_G: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
+             R: tl.constexpr, HAS_G: tl.constexpr, FOLD_KL: tl.constexpr, PREC: tl.constexpr,
              PREC16: tl.constexpr):
-    """Without FOLD it writes dK^ and dkL (float32, C x D per block); with FOLD (the Triton chunk
+    """Without FOLD_KL it writes dK^ and dkL (float32, BL x D per block); with FOLD_KL (the Triton chunk
     backward follows) it takes dkL through kL = kh S^T itself, with this block's suffix product S
     (SUF): dK^ + dkL S in kh's dtype to DKH, and the gradient of S, dkL^T kh (D x D), to DKL."""
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd, rv = tl.arange(0, C), tl.arange(0, D), tl.arange(0, DV)
+    rc, rd, rv = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV)
     tile = rc[:, None] * D + rd[None, :]
-    col = bh * T + m * C + rc
+    col = bh * T + m * BL + rc
     kh = tl.load(KH + col[:, None] * D + rd[None, :])
     v = tl.load(V + col[:, None] * DV + rv[None, :])
-    gk = tl.load(G + col) * 1.4426950408889634 if HAS_G else tl.zeros([C], tl.float32)
+    gk = tl.load(G + col) * LOG2E if HAS_G else tl.zeros([BL], tl.float32)
     # diagonal block (query block m itself), transposed: only dV and the gate here; sd's gradient is
     # in _bwd_dq
-    st = tl.load(SD + col[None, :] * C + rc[:, None]).to(tl.float32) * 1.4426950408889634   # (keys, queries)
+    st = tl.load(SD + col[None, :] * BL + rc[:, None]).to(tl.float32) * LOG2E   # (keys, queries)
     if HAS_G:
         st += gk[None, :] - gk[:, None]
     st = tl.where(rc[:, None] <= rc[None, :], st, float("-inf"))
     pt = tl.exp2(st - tl.load(LSE + col)[None, :])
     do = tl.load(DO + col[:, None] * DV + rv[None, :])
-    dv = tl.dot(pt.to(do.dtype), do, input_precision=PREC16)                   # (C, DV)
+    dv = tl.dot(pt.to(do.dtype), do, input_precision=PREC16)                   # (BL, DV)
     dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC16) - tl.load(DELTA + col)[None, :])
     dg = -tl.sum(dst, 1)
     # the later query blocks of this chunk: keys kh, their states stored per block pair
     b = m // R
-    dk = tl.zeros([C, D], dtype=tl.float32)
+    dk = tl.zeros([BL, D], dtype=tl.float32)
     dp_m = tl.zeros([D, D], dtype=tl.float32)
     for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
-        at = (bh * n_intra + _intra(i, R) + i - 1 - m) * C * D + tile
+        at = (bh * n_intra + _intra(i, R) + i - 1 - m) * BL * D + tile
         qs = tl.load(QS + at)
-        dst, dv, dg = _dkv_pair(qs, kh, v, DO, LSE, DELTA, G, gk, bh * T + i * C + rc, rv, qk_scale, dv, dg,
+        dst, dv, dg = _dkv_pair(qs, kh, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
                                 HAS_G, DV, PREC16)
         dk += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
         dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
     # the query blocks of later chunks: keys kL, one state per (query block, chunk)
     kl = tl.load(KL + col[:, None] * D + rd[None, :])
-    dkl = tl.zeros([C, D], dtype=tl.float32)
+    dkl = tl.zeros([BL, D], dtype=tl.float32)
     for i in range(b * R + R, n_blocks):
-        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * C * D + tile)
-        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * C + rc, rv, qk_scale, dv, dg,
+        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + tile)
+        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
                                 HAS_G, DV, PREC16)
         dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
     # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
     dpl = tl.zeros([D, D], dtype=tl.float32)
     for i in range(b * R + R + m % R, n_blocks, R):
-        at = (bh * n_inter + _inter(i, R) + b) * C * D + tile
+        at = (bh * n_inter + _inter(i, R) + b) * BL * D + tile
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
-    if FOLD:
+    if FOLD_KL:
         dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
         tl.store(DKL + dd, tl.dot(tl.trans(dkl16), kh, input_precision=PREC16))
@@ -326,8 +326,8 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
 
 
 # ---- the UT preprocessing of each block, fused (path_attention.ut_blocks is its PyTorch form) -------
-# One program per (block, batch*head) holds the block's C x C matrices in registers: T^-1 (built in
-# 16 x 16 pieces, `_tril_inverse`), then a dozen C x C and C x D products; the backward recomputes
+# One program per (block, batch*head) holds the block's BL x BL matrices in registers: T^-1 (built in
+# 16 x 16 pieces, `_tril_inverse`), then a dozen BL x BL and BL x D products; the backward recomputes
 # all but T^-1, which the forward stores (timings and the variants tried: docs/perf/path.md).
 
 @triton.jit
@@ -342,21 +342,21 @@ def _mm(a, b, LP: tl.constexpr, dt):
 
 
 @triton.jit
-def _piece(TI, row, r, c, C: tl.constexpr):
-    """Pointers to the 16 x 16 piece (r, c) of the C x C matrix of the block whose rows start at row."""
+def _piece(TI, row, r, c, BL: tl.constexpr):
+    """Pointers to the 16 x 16 piece (r, c) of the BL x BL matrix of the block whose rows start at row."""
     r16 = tl.arange(0, 16)
-    return TI + (row + r * 16 + r16)[:, None] * C + c * 16 + r16[None, :]
+    return TI + (row + r * 16 + r16)[:, None] * BL + c * 16 + r16[None, :]
 
 
 @triton.jit
-def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, C: tl.constexpr):
-    """T^-1 for T = I + strictLower(diag(beta) W W^T) of one block (C rows from `row`), written to TI
-    (C x C) in pieces of 16 x 16. The C / 16 diagonal pieces together, as a (C / 16, 16, 16) tensor,
+def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, BL: tl.constexpr):
+    """T^-1 for T = I + strictLower(diag(beta) W W^T) of one block (BL rows from `row`), written to TI
+    (BL x BL) in pieces of 16 x 16. The BL / 16 diagonal pieces together, as a (BL / 16, 16, 16) tensor,
     by forward substitution, one row of every piece per step; then the pieces left of the diagonal,
     row of pieces a after row a - 1: T^-1_ab = -T^-1_aa sum_{b <= c < a} L_ac T^-1_cb (L = T - I),
     with exact float32 products. The pieces go through TI, so the caller syncs before loading it."""
-    NP: tl.constexpr = C // 16
-    r16, rp, rd, rc = tl.arange(0, 16), tl.arange(0, NP), tl.arange(0, D), tl.arange(0, C)
+    NP: tl.constexpr = BL // 16
+    r16, rp, rd, rc = tl.arange(0, 16), tl.arange(0, NP), tl.arange(0, D), tl.arange(0, BL)
     rows = row + rp[:, None] * 16 + r16[None, :]                                     # (NP, 16)
     w3 = tl.load(W + rows[:, :, None] * D + rd[None, None, :])                       # (NP, 16, D)
     lower = r16[None, :, None] > r16[None, None, :]
@@ -366,35 +366,35 @@ def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, C: tl
         li = tl.sum(tl.where(r16[None, :, None] == i, L, 0.0), 1)                     # (NP, 16)
         ri = tl.where(r16[None, :] == i, 1.0, 0.0) - tl.sum(li[:, :, None] * ti, 1)
         ti = tl.where(r16[None, :, None] == i, ri[:, None, :], ti)
-    tl.store(TI + rows[:, :, None] * C + rp[:, None, None] * 16 + r16[None, None, :], ti)
-    tl.store(TI + (row + rc)[:, None] * C + rc[None, :], tl.zeros([C, C], tl.float32),
+    tl.store(TI + rows[:, :, None] * BL + rp[:, None, None] * 16 + r16[None, None, :], ti)
+    tl.store(TI + (row + rc)[:, None] * BL + rc[None, :], tl.zeros([BL, BL], tl.float32),
              mask=rc[None, :] // 16 > rc[:, None] // 16)                           # above the diagonal
     tl.debug_barrier()                                                  # the diagonal pieces are stored
     for a in tl.static_range(1, NP):
         wa = tl.load(W + (row + a * 16 + r16)[:, None] * D + rd[None, :])
         beta_a = tl.load(BETA + row + a * 16 + r16)
-        tia = tl.load(_piece(TI, row, a, a, C))
+        tia = tl.load(_piece(TI, row, a, a, BL))
         for b in tl.static_range(a):
             acc = tl.zeros([16, 16], tl.float32)
             for c in tl.static_range(b, a):
                 wc = tl.load(W + (row + c * 16 + r16)[:, None] * D + rd[None, :])
                 lac = beta_a[:, None] * _mm(wa, tl.trans(wc), LP, dt)
-                acc += tl.dot(lac, tl.load(_piece(TI, row, c, b, C)), input_precision="ieee")
-            tl.store(_piece(TI, row, a, b, C), -tl.dot(tia, acc, input_precision="ieee"))
+                acc += tl.dot(lac, tl.load(_piece(TI, row, c, b, BL)), input_precision="ieee")
+            tl.store(_piece(TI, row, a, b, BL), -tl.dot(tia, acc, input_precision="ieee"))
         tl.debug_barrier()                                              # row of pieces a is stored
 
 
 @triton.jit
-def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, C: tl.constexpr, LP: tl.constexpr):
+def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, BL: tl.constexpr, LP: tl.constexpr):
     """One block: qh = q - QW u, kh = k - F^T w, sd = scale (q k^T - QW F), the block product as
     M = W^T u (P = I - M, D x D) with u = A w, and T^-1 kept for the backward. QW = lower(q w^T),
     F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd = tl.arange(0, C), tl.arange(0, D)
-    row = bh * tl.num_programs(0) * C + blk * C + rc                  # (C,) token rows
-    cd, cc = row[:, None] * D + rd[None, :], row[:, None] * C + rc[None, :]
+    rc, rd = tl.arange(0, BL), tl.arange(0, D)
+    row = bh * tl.num_programs(0) * BL + blk * BL + rc                  # (BL,) token rows
+    cd, cc = row[:, None] * D + rd[None, :], row[:, None] * BL + rc[None, :]
     dt = Q.dtype.element_ty                                           # product operands with LP
-    _tril_inverse(W, BETA, TI, bh * tl.num_programs(0) * C + blk * C, LP, dt, D, C)
+    _tril_inverse(W, BETA, TI, bh * tl.num_programs(0) * BL + blk * BL, LP, dt, D, BL)
     tl.debug_barrier()
     # tensors used only as product operands are held in dt from the start (with LP, _mm would round
     # them to it anyway): half the registers
@@ -411,14 +411,14 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, C: tl.con
 
 
 @triton.jit
-def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: tl.constexpr, C: tl.constexpr,
+def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: tl.constexpr, BL: tl.constexpr,
             LP: tl.constexpr):
     """The gradients of `_ut_fwd`'s outputs taken back to q, k, w and beta, for one block. As in the
     forward, product operands are held in dt; each gradient is stored as soon as it is complete."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd = tl.arange(0, C), tl.arange(0, D)
-    row = bh * tl.num_programs(0) * C + blk * C + rc
-    cd, cc = row[:, None] * D + rd[None, :], row[:, None] * C + rc[None, :]
+    rc, rd = tl.arange(0, BL), tl.arange(0, D)
+    row = bh * tl.num_programs(0) * BL + blk * BL + rc
+    cd, cc = row[:, None] * D + rd[None, :], row[:, None] * BL + rc[None, :]
     dt = Q.dtype.element_ty                                           # product operands with LP
     lower = rc[:, None] > rc[None, :]
     q, k, w = tl.load(Q + cd), tl.load(K + cd), tl.load(W + cd).to(dt)
@@ -461,23 +461,23 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: 
 
 
 class UTBlocks(torch.autograd.Function):
-    """(qh, kh, M, sd) from q, k, w, beta of shapes (BH, T, D) and (BH, T), T a multiple of C; fused
+    """(qh, kh, M, sd) from q, k, w, beta of shapes (BH, T, D) and (BH, T), T a multiple of BL; fused
     per block in Triton. qh, kh and sd are those of `path_attention.ut_blocks`, M = W^T U per block
-    (BH, T / C, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
+    (BH, T / BL, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
     are rounded to it for the tensor cores later anyway), and so does sd: its gradient, which
     autograd gives in sd's dtype, then costs half the memory traffic, and it is no less exact than
     the logits that the attention kernels form from qh and kh. M is float32."""
 
     @staticmethod
-    def forward(ctx, q, k, w, beta, scale, C):
+    def forward(ctx, q, k, w, beta, scale, BL):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // C, D, D, **f32)
-        sd, ti = torch.empty(BH, T, C, device=q.device, dtype=q.dtype), torch.empty(BH, T, C, **f32)
+        qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // BL, D, D, **f32)
+        sd, ti = torch.empty(BH, T, BL, device=q.device, dtype=q.dtype), torch.empty(BH, T, BL, **f32)
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
-        _ut_fwd[(T // C, BH)](q, k, w, beta, qh, kh, mb, sd, ti, scale, D=D, C=C, LP=lp, num_warps=UT_WARPS)
+        _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, scale, D=D, BL=BL, LP=lp, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)
-        ctx.scale, ctx.C, ctx.lp = scale, C, lp
+        ctx.scale, ctx.BL, ctx.lp = scale, BL, lp
         return qh, kh, mb, sd
 
     @staticmethod
@@ -486,49 +486,49 @@ class UTBlocks(torch.autograd.Function):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
         grads = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in ((dqh, q), (dkh, k))]
-        grads.append(torch.zeros(BH, T // ctx.C, D, D, **f32) if dmb is None else dmb.float().contiguous())
-        dsd = torch.zeros(BH, T, ctx.C, device=q.device, dtype=q.dtype) if dsd is None else dsd.contiguous()
+        grads.append(torch.zeros(BH, T // ctx.BL, D, D, **f32) if dmb is None else dmb.float().contiguous())
+        dsd = torch.zeros(BH, T, ctx.BL, device=q.device, dtype=q.dtype) if dsd is None else dsd.contiguous()
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
-        _ut_bwd[(T // ctx.C, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, C=ctx.C,
+        _ut_bwd[(T // ctx.BL, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, BL=ctx.BL,
                                   LP=ctx.lp, num_warps=UT_WARPS)
         return dq, dk, dw, dbeta, None, None
 
 
-def chunk_products(kh, mb, C: int, R: int):
+def chunk_products(kh, mb, BL: int, R: int):
     """kL: every key carried from the end of its block on to the end of its chunk of R blocks, and
     PL: each chunk's product P_last ... P_first as a D x D matrix (q <- q PL), with P = I - M.
-    Float32, autograd. kh: (BH, T, D), mb: M per block (BH, T / C, D, D) -> kL (BH, T, D),
+    Float32, autograd. kh: (BH, T, D), mb: M per block (BH, T / BL, D, D) -> kL (BH, T, D),
     PL (BH, n_chunks, D, D)."""
     BH, T, D = kh.shape
-    n = T // C
+    n = T // BL
     n_chunks = -(-n // R)
     pad = n_chunks * R - n                                     # identity blocks (M = 0) fill the last chunk
-    kb = F.pad(kh, (0, 0, 0, pad * C)).view(BH, n_chunks, R, C, D)
+    kb = F.pad(kh, (0, 0, 0, pad * BL)).view(BH, n_chunks, R, BL, D)
     eye = torch.eye(D, device=kh.device, dtype=kh.dtype)
     P = eye - F.pad(mb, (0, 0, 0, 0, 0, pad)).view(BH, n_chunks, R, D, D)   # (BH, n_chunks, R, D, D)
     suffix = [eye.expand(BH, n_chunks, D, D)]                 # P_{R-1} ... P_{r+1}, from r = R-1 down
     for r in range(R - 1, 0, -1):
         suffix.append(suffix[-1] @ P[:, :, r])
     suffix = torch.stack(suffix[::-1], 2)                      # (BH, n_chunks, R, D, D)
-    kl = (kb @ suffix.mT).reshape(BH, n_chunks * R * C, D)[:, :T]
+    kl = (kb @ suffix.mT).reshape(BH, n_chunks * R * BL, D)[:, :T]
     return kl, suffix[:, :, 0] @ P[:, :, 0]
 
 
 @triton.jit
-def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, BL: tl.constexpr, R: tl.constexpr,
                PREC: tl.constexpr):
     """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
     keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r. S is kept
     per block for the backward; PL = S at the end."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd = tl.arange(0, C), tl.arange(0, D)
+    rc, rd = tl.arange(0, BL), tl.arange(0, D)
     dd = rd[:, None] * D + rd[None, :]
     s = tl.where(rd[:, None] == rd[None, :], 1.0, 0.0)                    # (D, D)
     for t in range(0, R):
         m = b * R + R - 1 - t
         if m < n_blocks:                                                  # the last chunk may be short
-            cd = (bh * T + m * C + rc)[:, None] * D + rd[None, :]
+            cd = (bh * T + m * BL + rc)[:, None] * D + rd[None, :]
             tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
             kh = tl.load(KH + cd).to(tl.float32)
             tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
@@ -566,17 +566,17 @@ def chunk_kernels_apply(D: int, dtype) -> bool:
     return dtype != torch.float32 and D in (32, 64)
 
 
-def chunk_products_fwd(kh, mb, C: int, R: int, kl_dtype=torch.float32):
+def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32):
     """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix
     products S per block (BH, n, D, D), kept for the backward. kh: (BH, T, D) float32 or 16 bits,
     mb: float32."""
     BH, T, D = kh.shape
-    n = T // C
+    n = T // BL
     n_chunks = -(-n // R)
     f32 = dict(device=kh.device, dtype=torch.float32)
     kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
     suf = torch.empty(BH, n, D, D, **f32)
-    _chunk_fwd[(n_chunks, BH)](kh, mb, kl, pl, suf, T, n, D=D, C=C, R=R, PREC="tf32")
+    _chunk_fwd[(n_chunks, BH)](kh, mb, kl, pl, suf, T, n, D=D, BL=BL, R=R, PREC="tf32")
     return kl, pl, suf
 
 
@@ -592,7 +592,7 @@ def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
 
 
 def block_size(D: int) -> int:
-    """Block length C: 64 keeps the fp32 accumulators of the backward in registers up to D = 64."""
+    """Block length BL: 64 keeps the fp32 accumulators of the backward in registers up to D = 64."""
     return 64 if D <= 64 else 32
 
 
@@ -604,18 +604,18 @@ class PathScan(torch.autograd.Function):
     gradient is formed once, in the UT backward."""
 
     @staticmethod
-    def forward(ctx, qh, kh, v, mb, sd, G, scale, C, R):
+    def forward(ctx, qh, kh, v, mb, sd, G, scale, BL, R):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             khc = None                                       # (their backward needs no kh)
-            kl, pl, suf = chunk_products_fwd(kh, mb, C, R, v.dtype)
+            kl, pl, suf = chunk_products_fwd(kh, mb, BL, R, v.dtype)
         else:
             khc = kh.float()                                 # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
-                (kl, pl), suf = chunk_products(khc, mb, C, R), None
+                (kl, pl), suf = chunk_products(khc, mb, BL, R), None
             pl = pl.contiguous()
         DV = v.shape[-1]
-        n = T // C
+        n = T // BL
         n_intra, n_inter = n_states(n, R)
         save = any(ctx.needs_input_grad)
         # float32 input: exact float32 products everywhere; 16-bit input: tensor-core products of the
@@ -624,23 +624,23 @@ class PathScan(torch.autograd.Function):
         kh, kl = kh.to(v.dtype).contiguous(), kl.to(v.dtype).contiguous()  # tensor-core operands
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
-        states = lambda k: torch.empty(BH, max(k, 1), C, D, device=v.device, dtype=kh.dtype)  # noqa: E731
+        states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype)  # noqa: E731
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
-                      n_intra, n_inter, scale * LOG2E, D=D, DV=DV, C=C, R=R, KB=key_tile(C, R), HAS_G=has_g,
+                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R), HAS_G=has_g,
                       SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse)
-        ctx.scale, ctx.C, ctx.R, ctx.prec, ctx.qh_dtype = scale, C, R, (prec, prec16), qh.dtype
+        ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
         qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
-        scale, C, R, (prec, prec16) = ctx.scale, ctx.C, ctx.R, ctx.prec
+        scale, BL, R, (prec, prec16) = ctx.scale, ctx.BL, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
-        n = T // C
+        n = T // BL
         n_chunks = pl.shape[1]
         n_intra, n_inter = n_states(n, R)
         do = do.contiguous()
@@ -649,26 +649,26 @@ class PathScan(torch.autograd.Function):
         f32 = dict(device=v.device, dtype=torch.float32)
         xs, xl = torch.empty_like(qs), torch.empty_like(ql)
         dqh, dsd = torch.empty(BH, T, D, device=v.device, dtype=ctx.qh_dtype), torch.empty_like(sd)
-        fold = suf is not None                               # the Triton chunk backward follows
-        dkh = torch.empty(BH, T, D, device=v.device, dtype=kh.dtype if fold else torch.float32)
-        dkl = torch.empty(BH, n, D, D, **f32) if fold else torch.empty(BH, T, D, **f32)   # see _bwd_dkv
+        fold_kl = suf is not None                               # the Triton chunk backward follows
+        dkh = torch.empty(BH, T, D, device=v.device, dtype=kh.dtype if fold_kl else torch.float32)
+        dkl = torch.empty(BH, n, D, D, **f32) if fold_kl else torch.empty(BH, T, D, **f32)   # see _bwd_dkv
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
-        meta = dict(D=D, DV=DV, C=C, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
+        meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
-                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E, scale, KB=key_tile(C, R),
+                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale, KB=key_tile(BL, R),
                          **meta, **launch("dq", D))
-        suf_arg = suf if fold else mb                        # _bwd_dkv reads SUF only with FOLD
+        suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,
-                          delta, dkh, dkl, dv, dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E, scale,
-                          FOLD=fold, **meta, **launch("dkv", D))
-        if fold:                                             # Triton: the chunk backward sums it all
+                          delta, dkh, dkl, dv, dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E.value, scale,
+                          FOLD_KL=fold_kl, **meta, **launch("dkv", D))
+        if fold_kl:                                             # Triton: the chunk backward sums it all
             dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):
                 ins = [x.detach().requires_grad_(True) for x in (khc, mb)]
-                grads = torch.autograd.grad(chunk_products(*ins, C, R), ins, (dkl, dpl))
+                grads = torch.autograd.grad(chunk_products(*ins, BL, R), ins, (dkl, dpl))
             dkh, dmb = dkh + grads[0], dmb + grads[1]
         dG = dgq + dgk if has_g else None
         return dqh, dkh, dv, dmb, dsd, dG, None, None, None
@@ -677,7 +677,7 @@ class PathScan(torch.autograd.Function):
 def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
                           chunk: int = CHUNK):
     """Same contract as path_attention.path_attention_naive; q, k, v in fp16/bf16/fp32. `block` is
-    C, `chunk` the R blocks per chunk (tests use small ones)."""
+    BL, `chunk` the R blocks per chunk (tests use small ones)."""
     from path_attention import _pad_time, ut_blocks
 
     B, H, T, D = q.shape
@@ -685,8 +685,8 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     if D not in (16, 32, 64, 128) or DV not in (16, 32, 64, 128):
         raise ValueError(f"the PaTH Triton kernel takes head dims 16, 32, 64 or 128, got D={D}, Dv={DV}")
     scale = D ** -0.5 if scale is None else scale
-    C = block or block_size(max(D, DV))
-    q, k, v, w, beta, g = _pad_time(C, q, k, v, w, beta, g)
+    BL = block or block_size(max(D, DV))
+    q, k, v, w, beta, g = _pad_time(BL, q, k, v, w, beta, g)
     Tp = q.shape[2]
     G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()
     f32 = torch.float32
@@ -695,11 +695,11 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     # float32 inputs: exact float32 products in PyTorch (cuBLAS). D = 16: the fused kernel's bf16
     # products hit an illegal memory access on an H100 (Triton 3.6), so PyTorch as well.
     if q.dtype == torch.float32 or D < 32:
-        qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, C))
+        qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, BL))
         with torch.autocast(q.device.type, enabled=False):  # M = W^T U per block, in float32
-            mb = w.view(B * H, Tp // C, C, D).mT @ u.view(B * H, Tp // C, C, D)
+            mb = w.view(B * H, Tp // BL, BL, D).mT @ u.view(B * H, Tp // BL, BL, D)
     else:                                                   # 16-bit inputs: fused, tensor-core products
         qh, kh, mb, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
-                                        scale, C)
-    o = PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, C, chunk)
+                                        scale, BL)
+    o = PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, BL, chunk)
     return o.view(B, H, Tp, DV)[:, :, :T]

@@ -4,7 +4,7 @@ backward.
 One program per (batch, cursor) row walks the T tokens with the P-bin histogram in float32. The
 one-bin shifts of the stencil read the previous histogram back from global memory at offsets
 i - 1 and i + 1 (the row was just written by the same program; a barrier makes it visible), so the
-output (B*C, T + 1, P), whose row 0 is the one-hot start, doubles as the scan state.
+output (B*N, T + 1, P), whose row 0 is the one-hot start, doubles as the scan state.
 
 Backward: a reverse-time scan. For each step it recomputes the pre-sharpening histogram u from the
 stored previous histogram and the gates (cheap: one stencil), then goes back through the
@@ -121,12 +121,12 @@ class HistogramScan(torch.autograd.Function):
 
 
 def histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P: int, eps: float = 1e-6):
-    """prism.histogram_scan without the copy branch: gates (B, C, T), gamma broadcastable to (B, C)
-    -> (B, C, T, P) float32."""
-    B, C, T = p_reset.shape
+    """prism.histogram_scan without the copy branch: gates (B, N, T), gamma broadcastable to (B, N)
+    -> (B, N, T, P) float32."""
+    B, N, T = p_reset.shape
     if P < 2:
         raise ValueError(f"a histogram needs at least 2 bins, got P={P}")
-    flat = lambda x: x.float().reshape(B * C, T).contiguous()  # noqa: E731
-    gamma = torch.as_tensor(gamma, device=p_reset.device).float().expand(B, C).reshape(B * C).contiguous()
+    flat = lambda x: x.float().reshape(B * N, T).contiguous()  # noqa: E731
+    gamma = torch.as_tensor(gamma, device=p_reset.device).float().expand(B, N).reshape(B * N).contiguous()
     hist = HistogramScan.apply(flat(p_reset), flat(p_inc), flat(p_dec), flat(p_keep), gamma, P, eps)
-    return hist.view(B, C, T, P)
+    return hist.view(B, N, T, P)

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634   # log2(e): the kernels take their logits in base 2 (qk_scale = scale LOG2E)
+
 
 # Each program walks its step tiles in three runs (`_runs`): tiles wholly clipped at one end, the
 # tiles of the clip band, tiles wholly clipped at the other end. MODE says which: 0 for keys far left,
@@ -92,14 +94,14 @@ def _table(Q, RR, TR, TE, T, H, NR: tl.constexpr, K: tl.constexpr, D: tl.constex
 @triton.jit
 def _logits(a, b, ii, jj, lo, hi, shift, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, s_hi, qk_scale,
             NR: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, KB: tl.constexpr, MODE: tl.constexpr,
-            FOLD: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            SHIFTED: tl.constexpr, HAS_UNI: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
             PREC: tl.constexpr):
     """Base-2 logits (a b^T + t) qk_scale of one tile of KB keys from j0, masked, in either
     orientation: (a, b) = (q, k) with query positions ii = i[:, None] and key positions
     jj = j[None, :], or (k, q) with ii = i[None, :] and jj = j[:, None]. lo, hi (shaped like ii): the
     table entries t of columns 0 and 2K of each query, used in the clipped runs; the band gathers.
     Keys with a slot (those in [s_lo, s_hi) of this batch row may have one) take q.C[slot] instead.
-    FOLD (`_bwd_dq`): the logits less shift (shaped like ii), with lo and hi passed as t qk_scale -
+    SHIFTED (`_bwd_dq`): the logits less shift (shaped like ii), with lo and hi passed as t qk_scale -
     shift, so that a clipped logit costs one fma. `_fwd` and `_bwd_dkv` measured slower that way
     (docs/perf/upe.md): in `_fwd` the compiler moved every clipped tile of logits to another
     register layout, `_bwd_dkv` spilled."""
@@ -108,23 +110,23 @@ def _logits(a, b, ii, jj, lo, hi, shift, TR, TC, SLOTB, MASKB, bh, T, j0, s_lo, 
     if MODE == 1:   # the cell of (i, j) is row(i) NR + K + j - i = bh T NR + i (NR - 1) + K + j
         dif = jj - ii
         t = tl.load(TR + bh * T * NR + ii * (NR - 1) + K + jj).to(tl.float32)
-        if FOLD:
+        if SHIFTED:
             t = t * qk_scale - shift
         t = tl.where(dif <= -K, lo, tl.where(dif >= K, hi, t))
     elif MODE == 0:
-        t = lo if FOLD else lo + tl.zeros_like(s)
+        t = lo if SHIFTED else lo + tl.zeros_like(s)
     else:
-        t = hi if FOLD else hi + tl.zeros_like(s)
+        t = hi if SHIFTED else hi + tl.zeros_like(s)
     if HAS_UNI:
         if (j0 < s_hi) & (j0 + KB > s_lo):                   # only tiles that may hold slot keys
             sl = tl.load(SLOTB + jj)
             sl_in = tl.minimum(tl.maximum(sl, 0), NC - 1)       # a slot >= M (an error) stays in the table
             tc = tl.load(TC + row * NC + sl_in).to(tl.float32)
-            if FOLD:    # s + (tc qk_scale - shift - t) / qk_scale, so that the line below adds tc
+            if SHIFTED:    # s + (tc qk_scale - shift - t) / qk_scale, so that the line below adds tc
                 s = tl.where(sl >= 0, s + tc - (t + shift) / qk_scale, s)
             else:
                 t = tl.where(sl >= 0, tc, t)
-    s = s * qk_scale + t if FOLD else (s + t) * qk_scale
+    s = s * qk_scale + t if SHIFTED else (s + t) * qk_scale
     if HAS_MASK:                                             # a key padding mask or padded keys
         s = tl.where(tl.load(MASKB + jj) != 0, s, float("-inf"))
     if CAUSAL:
@@ -246,7 +248,7 @@ def _bwd_dq(Q, KP, V, TR, TE, TC, SLOT, SRANGE, MASK, O, DO, LSE, DELTA, DQ, DTR
     lse = tl.load(LSE + row)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + row[:, None] * D + rd[None, :]).to(tl.float32), 1)
     tl.store(DELTA + row, delta)
-    c_lo = tl.load(TE + row * 2).to(tl.float32) * qk_scale - lse      # folded clipped logits (`_logits`)
+    c_lo = tl.load(TE + row * 2).to(tl.float32) * qk_scale - lse      # shifted clipped logits (`_logits`)
     c_hi = tl.load(TE + row * 2 + 1).to(tl.float32) * qk_scale - lse
     s_lo, s_hi = tl.load(SRANGE + 2 * b), tl.load(SRANGE + 2 * b + 1)
     SLOTB, MASKB = SLOT + b * T, MASK + b * T
@@ -420,7 +422,7 @@ class UPEFlash(torch.autograd.Function):
         meta = dict(NR=tr.shape[-1], NC=tc_.shape[-1], K=K, D=D, HAS_UNI=has_uni, HAS_MASK=has_mask,
                     CAUSAL=causal, PREC=prec)
         own, step, warps, stages = cfg["fwd"]
-        _fwd[(T // own, BH)](q, k, v, tr, te, tc_, slot, srange, mask, o, lse, T, H, scale * 1.4426950408889634,
+        _fwd[(T // own, BH)](q, k, v, tr, te, tc_, slot, srange, mask, o, lse, T, H, scale * LOG2E,
                              **meta, BM=own, BN=step, num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, rr, uc, tr, te, tc_, slot, srange, mask, o, lse)
         ctx.meta, ctx.H, ctx.scale, ctx.has_uni, ctx.cfg = meta, H, scale, has_uni, cfg
@@ -436,7 +438,7 @@ class UPEFlash(torch.autograd.Function):
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))   # the kernels accumulate in float32
         dtr = _table_grad_buffer(BH, T, rr, meta["K"], meta["CAUSAL"])      # dQR
         dtc = torch.empty_like(tc) if ctx.has_uni else dtr      # dQC: `_bwd_dq` writes every cell
-        args = (T, H, scale * 1.4426950408889634, scale)
+        args = (T, H, scale * LOG2E, scale)
         ncp = triton.next_power_of_2(meta["NC"]) if ctx.has_uni else 1
         own, step, warps, stages = cfg["dq"]
         _bwd_dq[(T // own, BH)](q, k, v, tr, te, tc, slot, srange, mask, o, do, lse, delta, dq, dtr, dtc, *args,

@@ -4,8 +4,8 @@ ViPE's fast path is softmax attention on rescaled queries and keys with one extr
 holds the key index i (derivation in vipe.py). The attention is PyTorch's SDPA and its fused flash
 kernel. What is left is elementwise: written with PyTorch ops it takes about fifteen kernels
 forward and backward (scale, matmul, cat, slice and their gradients; the cats on 63- and 71-wide
-rows are slow), which made ViPE 1.7x SDPA at T = 4096. Here it is one kernel before SDPA and one
-after, each way, and each reads and writes every tensor once:
+rows are slow: docs/perf/vipe.md). Here it is one kernel before SDPA and one after, each way, and
+each reads and writes every tensor once:
 
     before:  q'_n = s log(n) q_n,   k'_i = (1 + u.k_i) k_i,   vi_i = v_i (+) i (+) zeros
              (all three W wide, the one width SDPA sees; zero channels change nothing)

@@ -132,7 +132,7 @@ def test_torch_path_matches_naive(T, D, block, gate):
 
 # ---- Triton kernel (interpreter on CPU, compiled on GPU) --------------------------------------------
 
-# (T, D, block C, chunk R): chunks of 1, 2 and 3 blocks exercise the chunk level (step 3 of the
+# (T, D, block BL, chunk R): chunks of 1, 2 and 3 blocks exercise the chunk level (step 3 of the
 # kernel) at these small T, with a last chunk that is full or partial; R = 8 only the block level
 INTERP = [(1, 16, 16, 8), (7, 32, 16, 8), (97, 16, 16, 2), (97, 16, 16, 3), (130, 32, 32, 1),
           (70, 64, 64, 8), (40, 128, 32, 8), (128, 16, 16, 4)]
@@ -155,28 +155,28 @@ def test_triton_matches_naive_fp16(T, D, block, chunk):
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
 
 
-# C = 64 (four 16 x 16 pieces of T^-1) in float32 only in the interpreter: compiled for a GPU, the
-# exact float32 products at C = 64 spill registers and the build takes minutes (and float32 inputs
+# BL = 64 (four 16 x 16 pieces of T^-1) in float32 only in the interpreter: compiled for a GPU, the
+# exact float32 products at BL = 64 spill registers and the build takes minutes (and float32 inputs
 # never use this kernel).
-@pytest.mark.parametrize("T,D,C,dtype,tol",
-                         [(T, D, C, dt, tol) for T, D, C in [(16, 16, 16), (64, 32, 16), (64, 16, 32), (128, 32, 64)]
+@pytest.mark.parametrize("T,D,BL,dtype,tol",
+                         [(T, D, BL, dt, tol) for T, D, BL in [(16, 16, 16), (64, 32, 16), (64, 16, 32), (128, 32, 64)]
                           for dt, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2))
-                          if not (GPU and C == 64 and dt == torch.float32)])
-def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
+                          if not (GPU and BL == 64 and dt == torch.float32)])
+def test_fused_ut_preprocessing_matches_ut_blocks(T, D, BL, dtype, tol):
     """kernels.path_attention.UTBlocks (used for 16-bit inputs) against path_attention.ut_blocks in
     float64: the four outputs (qh, kh, M = W^T U per block, sd) and the gradients of q, k, w, beta
     for random upstream gradients. With float32 inputs its products are exact float32; with fp16
     they round their operands to fp16 (M's too)."""
     from kernels.path_attention import UTBlocks
-    q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + C)
+    q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + BL)
     flat = lambda x: x.detach().reshape(3, T, -1).contiguous().requires_grad_(True)  # noqa: E731
     xs = [flat(q), flat(k), flat(w), beta.detach().reshape(3, T).contiguous().requires_grad_(True)]
-    outs = UTBlocks.apply(*xs, 0.3, C)
+    outs = UTBlocks.apply(*xs, 0.3, BL)
     ups = [torch.randn_like(o) for o in outs]
     got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
     ref = [x.detach().double().requires_grad_(True) for x in xs]
-    qh, kh, wb, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, C)
-    mb = wb[0].view(3, T // C, C, D).mT @ u[0].view(3, T // C, C, D)            # (3, T / C, D, D)
+    qh, kh, wb, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, BL)
+    mb = wb[0].view(3, T // BL, BL, D).mT @ u[0].view(3, T // BL, BL, D)            # (3, T / BL, D, D)
     want_outs = [qh[0], kh[0], mb, sd[0]]
     want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
     for name, a, b in zip(["qh", "kh", "M", "sd", "dq", "dk", "dw", "dbeta"], got, want):
@@ -184,8 +184,8 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, C, dtype, tol):
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 
 
-@pytest.mark.parametrize("T,D,C,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
-def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
+@pytest.mark.parametrize("T,D,BL,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
+def test_chunk_product_kernels_match_chunk_products(T, D, BL, R):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
     float64: kL, PL and the gradients of kh and M (P = I - M per block), with a short last chunk
     (T = 112, R = 3) and one block per chunk. The backward takes dkL as dkL^T kh per block (kh's own
@@ -194,19 +194,19 @@ def test_chunk_product_kernels_match_chunk_products(T, D, C, R):
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
-    n = T // C
-    w = 0.5 * F.normalize(torch.randn(3, n, C, D, generator=gen), dim=-1)
-    mb = w.mT @ (0.1 * torch.randn(3, n, C, D, generator=gen))   # M = W^T U per block
+    n = T // BL
+    w = 0.5 * F.normalize(torch.randn(3, n, BL, D, generator=gen), dim=-1)
+    mb = w.mT @ (0.1 * torch.randn(3, n, BL, D, generator=gen))   # M = W^T U per block
     dkl = torch.randn(3, T, D, generator=gen)
     shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
     dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
     dm0 = torch.randn(3, n, D, D, generator=gen)                 # dM of each block from elsewhere
-    kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), C, R)
-    dsk = dkl.view(3, n, C, D).mT @ kh.view(3, n, C, D)          # dkL^T kh per block
+    kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), BL, R)
+    dsk = dkl.view(3, n, BL, D).mT @ kh.view(3, n, BL, D)          # dkL^T kh per block
     dm = chunk_products_bwd(mb.to(DEV), suf, dsk.to(DEV), shares.to(DEV), dm0.to(DEV), R)
-    dkh = (dkl.view(3, n, C, D).to(DEV) @ suf).view(3, T, D)     # what _bwd_dkv adds to kh's gradient
+    dkh = (dkl.view(3, n, BL, D).to(DEV) @ suf).view(3, T, D)     # what _bwd_dkv adds to kh's gradient
     ref = [x.double().requires_grad_(True) for x in (kh, mb)]
-    want_kl, want_pl = chunk_products(*ref, C, R)
+    want_kl, want_pl = chunk_products(*ref, BL, R)
     want_dkh, want_dm = torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double()))
     tol = 1e-5 if not GPU else 5e-3            # TF32 products on a GPU; exact in the interpreter
     got, want = [kl, pl, dkh, dm], [want_kl, want_pl, want_dkh, want_dm + dm0.double()]

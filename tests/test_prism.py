@@ -10,16 +10,16 @@ import prism
 from prism import histogram_scan, histogram_scan_naive, histogram_step, histogram_step_naive
 
 
-def gates(B, C, T, dtype=torch.float64, seed=0, copy_P=None):
+def gates(B, N, T, dtype=torch.float64, seed=0, copy_P=None):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
-    p_reset = r(B, C, T) * 0.5
-    move = torch.softmax(3 * torch.randn(B, C, T, 3, generator=gen, dtype=torch.float64), -1).to(dtype)
-    gamma = (1 + r(B, C) * 2).requires_grad_(True)
+    p_reset = r(B, N, T) * 0.5
+    move = torch.softmax(3 * torch.randn(B, N, T, 3, generator=gen, dtype=torch.float64), -1).to(dtype)
+    gamma = (1 + r(B, N) * 2).requires_grad_(True)
     xs = [p_reset, *move.unbind(-1)]
     copy = None
     if copy_P is not None:
-        copy = torch.softmax(2 * torch.randn(B, C, T, copy_P + 1, generator=gen, dtype=torch.float64), -1).to(dtype)
+        copy = torch.softmax(2 * torch.randn(B, N, T, copy_P + 1, generator=gen, dtype=torch.float64), -1).to(dtype)
         copy = copy.requires_grad_(True)
     return [x.detach().requires_grad_(True) for x in xs] + [gamma], copy
 
@@ -81,12 +81,12 @@ GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 
 
-@pytest.mark.parametrize("B,C,T,P", [(2, 3, 1, 2), (2, 3, 9, 5), (1, 2, 40, 16), (1, 1, 20, 33)])
-def test_triton_scan_matches_naive(B, C, T, P):
+@pytest.mark.parametrize("B,N,T,P", [(2, 3, 1, 2), (2, 3, 9, 5), (1, 2, 40, 16), (1, 1, 20, 33)])
+def test_triton_scan_matches_naive(B, N, T, P):
     """Through the interpreter on CPU (compiled on a GPU): float32 kernel vs the float64 reference,
     output and the gradients of all four gates and gamma; float32 rounding ~1e-6 seen, 1e-4 allowed."""
     from kernels.prism_scan import histogram_scan_triton
-    xs, _ = gates(B, C, T, seed=T + P)
+    xs, _ = gates(B, N, T, seed=T + P)
     x32 = [x.detach().float().to(DEV).requires_grad_(True) for x in xs]
     a, b = histogram_scan_triton(*x32, P), histogram_scan_naive(*xs, P)
     assert (a.double().cpu() - b).abs().max() < 1e-5
@@ -119,16 +119,16 @@ def test_triton_backend_refuses_the_copy_branch(monkeypatch):
 
 def test_counting_tokens_gives_absolute_position():
     """p_reset = 0, p_inc = 1, gamma = 1: the mode moves one bin per token."""
-    B, C, T, P = 1, 2, 10, 16
-    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
-    hist = histogram_scan(z, one, z, z, torch.ones(B, C), P)
-    assert hist.argmax(-1).tolist() == [[list(range(1, T + 1))] * C]
+    B, N, T, P = 1, 2, 10, 16
+    z, one = torch.zeros(B, N, T), torch.ones(B, N, T)
+    hist = histogram_scan(z, one, z, z, torch.ones(B, N), P)
+    assert hist.argmax(-1).tolist() == [[list(range(1, T + 1))] * N]
 
 
 def test_reset_and_keep_stays_at_zero():
-    B, C, T, P = 1, 1, 6, 8
-    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
-    hist = histogram_scan(one, z, z, one, torch.full((B, C), 2.0), P)
+    B, N, T, P = 1, 1, 6, 8
+    z, one = torch.zeros(B, N, T), torch.ones(B, N, T)
+    hist = histogram_scan(one, z, z, one, torch.full((B, N), 2.0), P)
     assert (hist.argmax(-1) == 0).all() and (hist[..., 0] > 0.999).all()
 
 
@@ -139,13 +139,13 @@ def test_counting_clamps_at_the_last_bin():
 
 
 def test_copy_one_hot_jumps_to_that_bin():
-    B, C, T, P = 1, 1, 3, 8
-    z, one = torch.zeros(B, C, T), torch.ones(B, C, T)
-    copy = torch.zeros(B, C, T, P + 1)
+    B, N, T, P = 1, 1, 3, 8
+    z, one = torch.zeros(B, N, T), torch.ones(B, N, T)
+    copy = torch.zeros(B, N, T, P + 1)
     copy[..., P] = 1                                                   # no copy ...
     copy[0, 0, 1] = 0
     copy[0, 0, 1, 5] = 1                                               # ... except at token 1: jump to bin 5
-    hist = histogram_scan(z, one, z, z, torch.ones(B, C), P, copy)
+    hist = histogram_scan(z, one, z, z, torch.ones(B, N), P, copy)
     assert hist.argmax(-1)[0, 0].tolist() == [1, 5, 6]
 
 

@@ -674,6 +674,7 @@ class PathScan(torch.autograd.Function):
         return dqh, dkh, dv, dmb, dsd, dG, None, None, None
 
 
+@torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
 def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
                           chunk: int = CHUNK):
     """Same contract as path_attention.path_attention_naive; q, k, v in fp16/bf16/fp32. `block` is

@@ -120,6 +120,7 @@ class HistogramScan(torch.autograd.Function):
         return (*grads, dgamma, None, None)
 
 
+@torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
 def histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P: int, eps: float = 1e-6):
     """prism.histogram_scan without the copy branch: gates (B, N, T), gamma broadcastable to (B, N)
     -> (B, N, T, P) float32."""

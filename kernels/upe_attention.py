@@ -452,6 +452,7 @@ class UPEFlash(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None)
 
 
+@torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
 def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
     """Same contract as upe.upe_attention_naive; `UPEFlash` builds the tables q R^T and q C^T.
     `block`: see `launch_configs`."""

@@ -343,7 +343,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     sets = [("eval", 1, test_lengths)] + ([("held_out", 2, cfg.held_out_lengths)] if cfg.held_out_lengths else [])
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
+        lrs = [g["lr"] for g in opt.param_groups]        # CUDA: the tensors a CUDA graph reads, kept
+        opt.load_state_dict(ckpt["opt"])                 # (loading would put CPU copies in their place)
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
         torch.set_rng_state(ckpt["torch_rng"])
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
@@ -447,10 +450,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
     }
-    if ablations:
-        metrics["eval_ablations"] = ablations
-    if history:
-        metrics["history"] = history
+    metrics.update({key: v for key, v in (("eval_ablations", ablations), ("history", history)) if v})
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")

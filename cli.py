@@ -528,11 +528,18 @@ def run_cli(args) -> int:
         print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
               "(run on a GPU for the paper's setting).")
     run_many(cfgs, args.jobs, args.resume)
-    for cfg in cfgs:
-        summarize(cfg.run_dir().parent)
+    for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):
+        write_summary(method_dir)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
     return 0
+
+
+def write_summary(method_dir: Path):
+    """<method>/metrics.json: the summary over the seeds in method_dir (experiments.summarize)."""
+    summary = summarize(method_dir)
+    if summary:
+        save_atomic(summary, method_dir / "metrics.json")
 
 
 def reproduce(args, device: str, preset_name: str) -> int:
@@ -561,8 +568,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
             else:
                 todo.append(cfg)
         run_many(todo, args.jobs)
-        for cfg in cfgs:
-            summarize(cfg.run_dir().parent)
+        for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):
+            write_summary(method_dir)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)

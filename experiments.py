@@ -22,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from train import fmt_time, save_atomic
-
 
 # =============================================================================================
 # Tables and figures of runs
@@ -55,9 +53,10 @@ def results_table(rows, train_max) -> str:
 # =============================================================================================
 
 def summarize(method_dir: Path) -> dict | None:
-    """Combine every seed's metrics in runs/<task>/<method>/seed*/ into <method>/metrics.json:
-    per evaluation point the mean, min and max over seeds, and the best seed (highest mean
-    accuracy beyond the training length among seeds whose in-distribution accuracy >= 0.85)."""
+    """Combine every seed's metrics in runs/<task>/<method>/seed*/ into the summary that cli.py
+    writes to <method>/metrics.json (None without any): per evaluation point the mean, min and max
+    over seeds, and the best seed (highest mean accuracy beyond the training length among seeds
+    whose in-distribution accuracy >= 0.85)."""
     seeds = []
     for p in sorted(method_dir.glob("seed*/metrics.json")):
         try:
@@ -75,7 +74,6 @@ def summarize(method_dir: Path) -> dict | None:
     rules = seeds[0].get("eval_ablations", {})
     if rules and all(set(m.get("eval_ablations", {})) == set(rules) for m in seeds):
         summary["ablations"] = {rule: over_seeds([m["eval_ablations"][rule] for m in seeds]) for rule in rules}
-    save_atomic(summary, method_dir / "metrics.json")
     return summary
 
 
@@ -360,7 +358,7 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
         cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
         lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean (min-max) over seeds, {n} "
                      f"examples per point | " + " | ".join(cells)
-                     + f" | {len(s['seeds'])} | {s['device']} | {fmt_time(float(np.mean(s['wall_s'])))} |")
+                     + f" | {len(s['seeds'])} | {s['device']} | {np.mean(s['wall_s']) / 60:.1f} min |")
         for rule, points in s.get("ablations", {}).items():
             cells = [column_value({**s, "eval": points}, sel, metric) for _, sel, metric in exp.columns]
             lines.append(f"| {run['task']}/{label} | this repo, {S_TEXT[rule]}, no fine-tuning | "

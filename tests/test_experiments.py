@@ -4,6 +4,7 @@ import json
 import pytest
 
 import experiments
+import cli
 from cli import main, make_config, validate
 
 
@@ -110,7 +111,7 @@ def test_selection_rules_on_a_fake_history(tmp_path):
         path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(m))
-    experiments.summarize(out / "copy" / "rope")
+    cli.write_summary(out / "copy" / "rope")
     cols = [("len 10", (10, 10), "exact")]
     rows = {}
     for select in (("best_seed",), ("top3",), ("held_out", (10, 10))):

@@ -186,6 +186,8 @@ def numeric_checks(cfg: TrainConfig):
     return [("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
             ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
             ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+            ("--beta2", cfg.beta2, 0 <= cfg.beta2 < 1, "in [0, 1)"),
+            ("--dropout", m.dropout, 0 <= m.dropout < 1, "in [0, 1)"),
             ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
             ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
@@ -219,6 +221,7 @@ def check_resume(cfg: TrainConfig):
     task = TASKS[cfg.task]
     new = asdict(cfg)
     new["model"].update(vocab_size=len(task.vocab), causal=task.causal)     # as train() sets them
+    saved = {**saved, "model": {**asdict(ModelConfig()), **saved["model"]}}   # fields newer than the run
     diff = config_diff(saved, new, RESUME_KEYS)
     if diff:
         raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
@@ -423,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-heads", type=int)
     g.add_argument("--ape-shift", type=int, help="APE: random position offset in [0, N] during training")
     g.add_argument("--tie-weights", action="store_true", default=None)
+    g.add_argument("--dropout", type=float, help="on the embeddings and each residual branch (default 0)")
     g.add_argument("--method-opt", action="append", metavar="KEY=VALUE",
                    help="method option (ModelConfig.opts), e.g. vipe_mode=value; combine with --tag")
     g = p.add_argument_group("optimisation")
@@ -431,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
     g.add_argument("--weight-decay", type=float)
+    g.add_argument("--beta2", type=float, help="AdamW's second-moment decay (default 0.999)")
     g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
     g = p.add_argument_group("data and evaluation")
     g.add_argument("--train-lengths", help="e.g. 1-16 or 5,10,20")
@@ -513,7 +518,8 @@ def run_cli(args) -> int:
     values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                  warmup=args.warmup, weight_decay=args.weight_decay, curriculum=args.curriculum,
+                  warmup=args.warmup, weight_decay=args.weight_decay, beta2=args.beta2, dropout=args.dropout,
+                  curriculum=args.curriculum,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,

@@ -229,6 +229,10 @@ def _prism_vs_ape(task: str) -> list[dict]:
             dict(task=task, method="ape", ape_shift=100, curriculum=True, steps=10000, eval_every=1000)]
 
 
+# The UPE paper's BERT (its appendix B) without its layer count, which differs per experiment.
+UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4, batch_size=64)
+
+
 EXPERIMENTS: dict[str, Experiment] = {
     "path-flipflop": Experiment(
         claim="Flip-flop LM, 1 layer, 2 heads, d=64: error % ID / sparse / dense",
@@ -311,26 +315,30 @@ EXPERIMENTS: dict[str, Experiment] = {
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4"),
     "upe-add": Experiment(
-        claim="Padded addition (width 20), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
-              "RPE generalises (UPE paper section 3)",
-        runs=[dict(task="add_padded", method=m, eval_every=1000, held_out_lengths=[6, 7, 8]) for m in ("ape", "rpe")],
-        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
-                 ("k=16-20", (16, 20), "exact")],
-        paper={"ape": ["", "fails", "fails", "fails"], "rpe": ["", "generalises", "generalises", "generalises"]},
-        scaled="6 layers, d=256, 8 heads, 6k steps x 128 (the paper: a 6-9 layer, 768-wide BERT); RPE clip 64; "
-               "evaluated every 1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums)",
+        claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
+              "RPE generalises to 49-digit sums, with high fluctuations (UPE paper Fig. 2)",
+        runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
+                   eval_every=1000, held_out_lengths=[6, 7, 8], **UPE_BERT) for m in ("ape", "rpe")],
+        columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-20", (11, 20), "exact"),
+                 ("k=21-30", (21, 30), "exact"), ("k=31-49", (31, 49), "exact"), ("k=50", (50, 50), "exact")],
+        paper={"ape": ["", "fails", "fails", "fails", "fails", "fails"],
+               "rpe": ["", "generalises", "generalises", "generalises", "generalises", "falls (input format)"]},
+        scaled="the paper's model (6 layers, d=768, 8 heads, dropout 0.1, AdamW lr 1e-4, weight decay 1e-4, "
+               "batch 64) for 6k steps of fresh sums (the paper: 100k samples); RPE clip 64; evaluated every "
+               "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums)",
         seeds=[0, 1, 2], select=("held_out", (6, 8))),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
         runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
-                   n_layers=6 if d == 1 else 9) for d in (1, 3) for m in ("ape", "rpe", "upe")],
+                   n_layers=6 if d == 1 else 9, steps=8000, **UPE_BERT) for d in (1, 3) for m in ("ape", "rpe", "upe")],
         columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),
                  ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
         paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
                "ape-m3": ["", "fails", "fails", "fails", "fails"]},
-        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 6 layers for the 1-digit "
-               "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide); RPE clip 64, 3 uniform slots"),
+        scaled="the paper's model (d=768, 8 heads, dropout 0.1, AdamW lr 1e-4, weight decay 1e-4, batch 64; "
+               "6 layers for the 1-digit multiplier, 9 for the 3-digit one) for 8k steps (512k fresh samples; "
+               "the paper: 100k and 500k); RPE clip 64, 3 uniform slots"),
 }
 
 

@@ -33,6 +33,7 @@ class ModelConfig:
     n_layers: int = 2            # Transformer blocks
     n_heads: int = 4             # attention heads H (head dim D = C / H)
     mlp_ratio: int = 4           # MLP hidden width = mlp_ratio * C
+    dropout: float = 0.0         # on the embeddings and each residual branch, in training only
     causal: bool = True          # decoder (True) or bidirectional encoder (False), set by the task
     method: str = "nope"         # position encoding, a key of train.METHODS (recorded with the run)
     tie_weights: bool = False    # share the token embedding with the output head
@@ -213,10 +214,11 @@ class Block(nn.Module):
         self.attn = attention(cfg)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model))
+        self.drop = nn.Dropout(cfg.dropout)     # p = 0: the identity, drawing no random numbers
 
     def forward(self, h, ctx):
-        h = h + self.attn(self.norm1(h), ctx)
-        return h + self.mlp(self.norm2(h))
+        h = h + self.drop(self.attn(self.norm1(h), ctx))
+        return h + self.drop(self.mlp(self.norm2(h)))
 
 
 class Model(nn.Module):
@@ -227,6 +229,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
         self.hooks = method.hooks(cfg) if method.hooks else None
         self.blocks = nn.ModuleList(Block(cfg, method.attention) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
@@ -241,6 +244,7 @@ class Model(nn.Module):
         h = self.embed(x)                                       # (B, T, C)
         if self.hooks is not None:
             h = self.hooks.embed(h, ctx)
+        h = self.drop(h)
         for i, block in enumerate(self.blocks):
             if self.hooks is not None:
                 self.hooks.before_block(i, h, ctx)

@@ -68,9 +68,8 @@ class UsageError(Exception):
 
 def score(logits, y):
     """Per sequence: exact match (every supervised position right), right and supervised tokens, (B,) each."""
-    pred = logits.argmax(-1)
     sup = y != IGNORE
-    right = (pred == y) & sup
+    right = (logits.argmax(-1) == y) & sup
     return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1)
 
 
@@ -148,6 +147,7 @@ class TrainConfig:
     batch_size: int = 64              # sequences per step
     lr: float = 1e-3                  # peak learning rate (AdamW)
     weight_decay: float = 0.01        # AdamW weight decay
+    beta2: float = 0.999              # AdamW's second-moment decay (its first is 0.9)
     warmup: int = 100                 # linear warm-up steps, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1         # final learning rate as a fraction of the peak
     grad_clip: float = 1.0            # global gradient-norm clip
@@ -305,7 +305,7 @@ def make_optimizer(model, cfg: TrainConfig, device: str):
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}] + groups, lr=cfg.lr,
-                            fused=cuda, capturable=cuda)
+                            betas=(0.9, cfg.beta2), fused=cuda, capturable=cuda)
     for g in opt.param_groups:
         g["lr_scale"] = g.get("lr", cfg.lr) / cfg.lr  # extra groups keep their ratio to the base lr
         if cuda:

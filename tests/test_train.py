@@ -297,6 +297,8 @@ def run_cli(capsys, *args):
     (["--task", "copy", "--method", "rope", "--seeds", ""], "--seeds: the list is empty"),
     (["--task", "copy", "--method", "nope", "--lr", "-1"], "--lr must be > 0, got -1.0"),
     (["--task", "copy", "--method", "nope", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--task", "copy", "--method", "nope", "--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--task", "copy", "--method", "nope", "--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
     (["--task", "copy", "--method", "rope", "--train-lengths", "10-1"], "the range 10-1 runs backwards"),
     (["--task", "copy", "--method", "rope", "--train-lengths", ""], "--train-lengths: the list is empty"),
     (["--task", "parity", "--method", "vipe", "--method-opt", "vipe_modee=value"],
@@ -447,6 +449,46 @@ def test_cli_resume_errors(capsys, tmp_path):
     ckpt.write_bytes(ckpt.read_bytes()[:100])
     code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume")
     assert code == 2 and "corrupt or unreadable" in err and err.count("\n") == 1
+
+
+def test_dropout_acts_in_training_only():
+    """--dropout: two training-mode passes differ; in eval mode the model is the same function as
+    the model without dropout that has its weights; p = 0 draws no random numbers."""
+    x = torch.randint(0, 10, (4, 12))
+    models = []
+    for p in (0.3, 0.0):
+        torch.manual_seed(0)
+        models.append(build_model(ModelConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=2, dropout=p,
+                                              method="rope")))
+    drop, plain = models
+    assert not torch.equal(drop(x), drop(x))
+    drop.eval(), plain.eval()
+    assert torch.equal(drop(x), plain(x))
+    plain.train()
+    state = torch.get_rng_state()
+    plain(x)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_adamw_beta2_reaches_the_optimiser(tmp_path):
+    opt = train.make_optimizer(build_model(ModelConfig(vocab_size=10, d_model=16, n_heads=2, method="rope")),
+                               tiny_config(tmp_path, beta2=0.98), "cpu")
+    assert all(g["betas"] == (0.9, 0.98) for g in opt.param_groups)
+
+
+def test_resume_of_a_run_saved_before_a_new_model_field(capsys, tmp_path):
+    """A checkpoint whose config lacks a ModelConfig field added since (here dropout) resumes when
+    the field has its default, and is refused when it does not."""
+    out = tmp_path / "runs"
+    assert run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out))[0] == 0
+    path = out / "copy" / "rope" / "seed0" / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["config"]["model"]["dropout"]
+    torch.save(ckpt, path)
+    code, _, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume", "--dropout", "0.1")
+    assert code == 2 and "model.dropout: 0.0 -> 0.1" in err
+    code, stdout, err = run_cli(capsys, *CLI_TINY, "--method", "rope", "--out", str(out), "--resume", "--steps", "20")
+    assert code == 0 and "at step 15" in stdout, err
 
 
 def test_evaluations_during_training_keep_a_history(tmp_path):

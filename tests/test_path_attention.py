@@ -147,7 +147,8 @@ def test_triton_matches_naive_fp32(T, D, block, chunk, gate):
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 1e-4)
 
 
-@pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2)])
+# D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
+@pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):
     device = "cuda" if GPU else "cpu"
     xs = make_inputs(1, 2, T, D, dtype=torch.float16, device=device, seed=T)

@@ -4,7 +4,8 @@
     model = Model(ModelConfig(vocab_size=12, method="rope"), baseline("rope"))
 
 A pre-norm Transformer (SPEC §4): token embedding -> N blocks (norm, attention, residual, norm,
-MLP, residual) -> norm -> linear head. Causal (decoder) or bidirectional (encoder), set by the task.
+MLP, residual) -> norm -> linear head, with optional dropout (`ModelConfig.dropout`) on the embeddings
+and each residual branch. Causal (decoder) or bidirectional (encoder), set by the task.
 An encoding is a `Method`: an attention layer class with the shared interface
 
     layer = SomeAttention(cfg)         # cfg: a ModelConfig; method options in cfg.opts

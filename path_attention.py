@@ -136,8 +136,8 @@ def _ut_blocks(q, k, w, beta, scale, BL):
     B, H, T, D = q.shape
     n = T // BL
     f = torch.promote_types(q.dtype, torch.float32)
-    qb, kb, wb = (x.to(f).reshape(B, H, n, BL, D) for x in (q, k, w))      # (B, H, n, BL, D)
-    bb = beta.to(f).reshape(B, H, n, BL)                                    # (B, H, n, BL)
+    qb, kb, wb = (x.to(f).reshape(B, H, n, BL, D) for x in (q, k, w))     # (B, H, n, BL, D)
+    bb = beta.to(f).reshape(B, H, n, BL)                                   # (B, H, n, BL)
     eye = torch.eye(BL, device=q.device, dtype=f)
     Tm = eye + (bb[..., :, None] * (wb @ wb.mT)).tril(-1)                  # (B, H, n, BL, BL)
     A = torch.linalg.solve_triangular(Tm, torch.diag_embed(bb), upper=False, unitriangular=True)
@@ -170,7 +170,7 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     Tp, BL = q.shape[2], block
     n = Tp // BL
     qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, BL)
-    split = lambda x: x.reshape(B, H, n, BL, x.shape[-1])  # noqa: E731  (B, H, n, BL, .)
+    split = lambda x: x.reshape(B, H, n, BL, x.shape[-1]) # noqa: E731  (B, H, n, BL, .)
     qh, kh, wb, u, sd = map(split, (qh, kh, wb, u, sd))
     idx = torch.arange(n, device=q.device)
     rows, cols, vals = [idx], [idx], [sd]                     # block pairs (i, m) and their logits
@@ -181,7 +181,7 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
         vals.append(scale * qt @ km.mT)                       # (B, H, n-d, BL, BL)
         rows.append(idx[d:]), cols.append(idx[: n - d])
         qt = qt - (qt @ wm.mT) @ um                           # carry through P_{i-d}
-    full = qh.new_zeros(B, H, n, n, BL, BL)                    # (B, H, query block, key block, BL, BL)
+    full = qh.new_zeros(B, H, n, n, BL, BL)                  # (B, H, query block, key block, BL, BL)
     full[:, :, torch.cat(rows), torch.cat(cols)] = torch.cat(vals, dim=2)
     logits = full.permute(0, 1, 2, 4, 3, 5).reshape(B, H, Tp, Tp)[:, :, :T, :T]
     if G is not None:

@@ -120,7 +120,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
-    row = bh * T + i * BL + rc                                        # (BL,) query rows
+    row = bh * T + i * BL + rc                                       # (BL,) query rows
     q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
     if HAS_G:
         gq = tl.load(G + row) * LOG2E
@@ -141,7 +141,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         m = i - 1 - t
         col = bh * T + m * BL + rc
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        mb = _square(MB, bh * (T // BL) + m, rd, D)                                    # (D, D) M_m
+        mb = _square(MB, bh * (T // BL) + m, rd, D)                                   # (D, D) M_m
         qk = q.to(kh.dtype)
         if SAVE:
             tl.store(QS + (first + t) * BL * D + tile, qk)
@@ -161,8 +161,8 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         if b > 0:                                          # the next state, while this one scores
             pl = _square(PL, bh * n_chunks + b, rd, D)
             q = tl.dot(q, pl, input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=3):    # the chunk's keys, KB at a time
-            ck = bh * T + b * R * BL + j + rk                 # (KB,) key rows
+        for j in tl.range(0, R * BL, KB, num_stages=3):   # the chunk's keys, KB at a time
+            ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
             if HAS_G:
@@ -220,7 +220,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
         qs = tl.load(QL + at)
         pl = _square(PL, bh * n_chunks + b, rd, D)
         x = tl.dot(x, tl.trans(pl), input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=3):    # the chunk's keys, KB at a time
+        for j in tl.range(0, R * BL, KB, num_stages=3):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
@@ -391,7 +391,7 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, BL: tl.co
     F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, BL), tl.arange(0, D)
-    row = bh * tl.num_programs(0) * BL + blk * BL + rc                  # (BL,) token rows
+    row = bh * tl.num_programs(0) * BL + blk * BL + rc                # (BL,) token rows
     cd, cc = row[:, None] * D + rd[None, :], row[:, None] * BL + rc[None, :]
     dt = Q.dtype.element_ty                                           # product operands with LP
     _tril_inverse(W, BETA, TI, bh * tl.num_programs(0) * BL + blk * BL, LP, dt, D, BL)
@@ -624,7 +624,7 @@ class PathScan(torch.autograd.Function):
         kh, kl = kh.to(v.dtype).contiguous(), kl.to(v.dtype).contiguous()  # tensor-core operands
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
-        states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype)  # noqa: E731
+        states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype) # noqa: E731
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],

@@ -177,7 +177,7 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, BL, dtype, tol):
     got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
     ref = [x.detach().double().requires_grad_(True) for x in xs]
     qh, kh, wb, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, BL)
-    mb = wb[0].view(3, T // BL, BL, D).mT @ u[0].view(3, T // BL, BL, D)            # (3, T / BL, D, D)
+    mb = wb[0].view(3, T // BL, BL, D).mT @ u[0].view(3, T // BL, BL, D)        # (3, T / BL, D, D)
     want_outs = [qh[0], kh[0], mb, sd[0]]
     want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
     for name, a, b in zip(["qh", "kh", "M", "sd", "dq", "dk", "dw", "dbeta"], got, want):
@@ -197,15 +197,15 @@ def test_chunk_product_kernels_match_chunk_products(T, D, BL, R):
     kh = torch.randn(3, T, D, generator=gen)
     n = T // BL
     w = 0.5 * F.normalize(torch.randn(3, n, BL, D, generator=gen), dim=-1)
-    mb = w.mT @ (0.1 * torch.randn(3, n, BL, D, generator=gen))   # M = W^T U per block
+    mb = w.mT @ (0.1 * torch.randn(3, n, BL, D, generator=gen))  # M = W^T U per block
     dkl = torch.randn(3, T, D, generator=gen)
     shares = torch.randn(3, n, D, D, generator=gen)              # each block's share of dPL
     dpl = F.pad(shares, (0, 0, 0, 0, 0, -(-n // R) * R - n)).view(3, -1, R, D, D).sum(2)
     dm0 = torch.randn(3, n, D, D, generator=gen)                 # dM of each block from elsewhere
     kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), BL, R)
-    dsk = dkl.view(3, n, BL, D).mT @ kh.view(3, n, BL, D)          # dkL^T kh per block
+    dsk = dkl.view(3, n, BL, D).mT @ kh.view(3, n, BL, D)        # dkL^T kh per block
     dm = chunk_products_bwd(mb.to(DEV), suf, dsk.to(DEV), shares.to(DEV), dm0.to(DEV), R)
-    dkh = (dkl.view(3, n, BL, D).to(DEV) @ suf).view(3, T, D)     # what _bwd_dkv adds to kh's gradient
+    dkh = (dkl.view(3, n, BL, D).to(DEV) @ suf).view(3, T, D)    # what _bwd_dkv adds to kh's gradient
     ref = [x.double().requires_grad_(True) for x in (kh, mb)]
     want_kl, want_pl = chunk_products(*ref, BL, R)
     want_dkh, want_dm = torch.autograd.grad((want_kl, want_pl), ref, (dkl.double(), dpl.double()))

@@ -534,8 +534,7 @@ def run_cli(args) -> int:
         print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
               "(run on a GPU for the paper's setting).")
     run_many(cfgs, args.jobs, args.resume)
-    for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):
-        write_summary(method_dir)
+    write_summaries(cfgs)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
     return 0
@@ -546,6 +545,11 @@ def write_summary(method_dir: Path):
     summary = summarize(method_dir)
     if summary:
         save_atomic(summary, method_dir / "metrics.json")
+
+
+def write_summaries(cfgs):
+    for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):   # each folder once, in order
+        write_summary(method_dir)
 
 
 def reproduce(args, device: str, preset_name: str) -> int:
@@ -574,8 +578,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
             else:
                 todo.append(cfg)
         run_many(todo, args.jobs)
-        for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):
-            write_summary(method_dir)
+        write_summaries(cfgs)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 from pathlib import Path
@@ -326,15 +327,28 @@ def check_run_folder(cfg: TrainConfig, resume: bool):
 # Several runs at once
 # =============================================================================================
 
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False):
+class RunsFailed(Exception):
+    """Some of several runs failed; the others ran to the end."""
+
+
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False) -> list[str]:
     """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
     <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
-    those of the runs one after the other. A run that stops on a NaN loss does not stop the others."""
+    those of the runs one after the other. A run that fails (a NaN loss, CUDA out of memory, ...)
+    does not stop the others: returns one line per failed run."""
+    t0, failed = time.time(), []
+
+    def failure(folder, e):
+        failed.append(f"{folder}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        print(f"  [{fmt_time(time.time() - t0)}] failed {failed[-1]}", flush=True)
+
     if jobs <= 1 or len(cfgs) <= 1:
         for cfg in cfgs:
-            run(cfg, resume=resume)
-        return
-    t0, failed = time.time(), []
+            try:
+                run(cfg, resume=resume)
+            except Exception as e:
+                failure(cfg.run_dir(), e)
+        return failed
     print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
         futures = {pool.submit(run_logged, cfg, resume): cfg for cfg in cfgs}
@@ -342,11 +356,15 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False):
             folder = futures[future].run_dir()
             try:
                 print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
-            except NaNLoss as e:
-                print(f"  [{fmt_time(time.time() - t0)}] stopped {folder}: {e}", flush=True)
-                failed.append(str(e))
+            except Exception as e:
+                failure(folder, e)
+    return failed
+
+
+def check_failures(failed: list[str], n_runs: int):
     if failed:
-        raise NaNLoss(f"{len(failed)} of {len(cfgs)} runs stopped; the first: {failed[0]}")
+        raise RunsFailed(f"{len(failed)} of {n_runs} runs failed (the others ran to the end; each run's "
+                         f"train.log has its error); the first: {failed[0]}")
 
 
 def run_logged(cfg: TrainConfig, resume: bool = False) -> str:
@@ -354,7 +372,11 @@ def run_logged(cfg: TrainConfig, resume: bool = False) -> str:
     path = cfg.run_dir() / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True))
+        try:
+            metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True))
+        except Exception:
+            print(traceback.format_exc(), file=f, flush=True)
+            raise
     return summary_line(metrics["eval"], metrics["train_max_length"])
 
 
@@ -460,6 +482,9 @@ def main(argv=None) -> int:
     except NaNLoss as e:
         print(f"error: training stopped: {e}", file=sys.stderr)
         return 1
+    except RunsFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Interrupted as e:
         print(f"\n{e}", file=sys.stderr)
         return 130
@@ -533,10 +558,15 @@ def run_cli(args) -> int:
     if preset_name == "cpu":
         print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
               "(run on a GPU for the paper's setting).")
-    run_many(cfgs, args.jobs, args.resume)
+    if len(cfgs) == 1:
+        run(cfgs[0], resume=args.resume)          # one run: its own error, e.g. a NaN loss, as it is
+        failed = []
+    else:
+        failed = run_many(cfgs, args.jobs, args.resume)
     write_summaries(cfgs)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
+    check_failures(failed, len(cfgs))
     return 0
 
 
@@ -568,7 +598,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
-    tables = []
+    tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
         todo = []
@@ -577,7 +607,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
                 print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
             else:
                 todo.append(cfg)
-        run_many(todo, args.jobs)
+        failed += run_many(todo, args.jobs)
         write_summaries(cfgs)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
@@ -590,6 +620,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if args.reproduce == "all":   # one file, paper vs this repo for every experiment
         save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
         print(f"wrote {out / 'reproduce' / 'all.md'}")
+    check_failures(failed, sum(len(cfgs) for cfgs in plans.values()))
     return 0
 
 

@@ -293,9 +293,8 @@ class PrismHooks(Hooks):
         if self.copy:
             n, O = self.H * self.O, self.O
             qc = torch.arange(self.H, device=h.device) * O               # query cursor 0 of each head
-            kc = n + qc                                                  # and its key cursor
-            count = torch.zeros(2 * n, dtype=torch.bool, device=h.device)
-            count[kc] = True                                             # key copy cursors: increment only
+            cursor = torch.arange(2 * n, device=h.device)
+            count = (cursor >= n) & (cursor % O == 0)                    # their key cursors: increment only
             one, zero = torch.ones_like(p_inc), torch.zeros_like(p_inc)
             c = count[None, :, None]
             p_reset, p_dec, p_keep = (torch.where(c, zero, x) for x in (p_reset, p_dec, p_keep))

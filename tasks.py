@@ -37,6 +37,10 @@ class Batch:
     length: torch.Tensor               # (n,) problem length, for the per-length plot
     slot: torch.Tensor | None = None   # (n, T) int64, UPE slots (-1 = relative)
 
+    def take(self, start: int, stop: int | None) -> "Batch":
+        """Examples start:stop."""
+        return Batch(*(None if v is None else v[start:stop] for v in (self.x, self.y, self.length, self.slot)))
+
 
 class Task:
     """Base class. A subclass sets the class attributes and implements

@@ -82,7 +82,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
     gives every example of a length once instead (the row's n is then their number). Examples of
     several lengths share one forward pass, right-padded (exact, as in `Step`), up to
-    tokens_per_batch tokens. ViPE's fixed s uses test_max (default: the longest of `lengths`)."""
+    tokens_per_batch tokens; a pass that runs out of GPU memory is split in two. ViPE's fixed s uses
+    test_max (default: the longest of `lengths`)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
@@ -98,15 +99,29 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
                 if every[r["length"]] is None:
                     yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
                 else:
-                    b = every[r["length"]]
-                    yield k, s, Batch(*(None if v is None else v[start:start + batch_size]
-                                        for v in (b.x, b.y, b.length, b.slot)))
+                    yield k, s, every[r["length"]].take(start, start + batch_size)
 
-    def run(group):
+    def scores(group):                                     # (examples, 3): exact, right tokens, supervised
         batch = collate([b for _, _, b in group], task.pad_id)
         with autocast(device):
             logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
-        per_seq = torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()     # (B, 3)
+        return torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()
+
+    def run(group):
+        try:
+            per_seq = scores(group)
+        except torch.OutOfMemoryError:                     # the same examples in two passes instead
+            if sum(len(b.x) for _, _, b in group) == 1:
+                raise
+            per_seq = None
+        if per_seq is None:
+            torch.cuda.empty_cache()
+            if len(group) == 1:
+                (k, s, b), half = group[0], len(group[0][2].x) // 2
+                group = [(k, s, b.take(0, half)), (k, s, b.take(half, None))]
+            for part in (group[:len(group) // 2], group[len(group) // 2:]):
+                run(part)
+            return
         first = 0
         for k, _, b in group:
             counts[k] += per_seq[first:first + len(b.x)].sum(0)

@@ -32,6 +32,30 @@ def test_reproduce_runs_skips_and_tables(capsys, tmp_path, monkeypatch):
     assert stdout.count("skip ") == 2
 
 
+def test_a_failed_run_does_not_stop_the_others(capsys, tmp_path, monkeypatch):
+    """One of two runs raises: the other runs to the end and has its row in the table, the failed one
+    reads "not run", and the command ends with one line naming the failure and exit status 1."""
+    exp = experiments.Experiment(
+        claim="tiny", runs=[dict(task="copy", method=m, steps=5, batch_size=8, d_model=32, n_layers=1,
+                                 n_heads=2, n_eval=8, train_lengths=[1, 2], test_lengths=[2]) for m in ("nope", "rope")],
+        columns=[("len 2", (2, 2), "exact")], paper={}, scaled="tiny")
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", exp)
+    real = cli.run
+
+    def nope_fails(cfg, *a, **k):
+        if cfg.model.method == "nope":
+            raise RuntimeError("CUDA out of memory (simulated)\nsecond line")
+        return real(cfg, *a, **k)
+    monkeypatch.setattr(cli, "run", nope_fails)
+    out = tmp_path / "runs"
+    code, stdout, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
+    assert code == 1 and (out / "copy" / "rope" / "metrics.json").exists()
+    assert err.strip() == (f"error: 1 of 2 runs failed (the others ran to the end; each run's train.log has its "
+                           f"error); the first: {out}/copy/nope/seed0: RuntimeError: CUDA out of memory (simulated)")
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert "| copy/nope | this repo | not run |" in table and "| copy/rope | this repo, last checkpoint" in table
+
+
 def test_reproduce_sweep_figure(capsys, tmp_path, monkeypatch):
     exp = experiments.Experiment(
         claim="tiny sweep", runs=[dict(task="copy", method=m, tag=f"L{n}", n_layers=n, steps=5, batch_size=8,

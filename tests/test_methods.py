@@ -135,18 +135,19 @@ def test_methods_learn_on_the_gpu(method):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("method", METHODS)
-def test_cuda_graph_steps_follow_the_eager_steps(method):
+@pytest.mark.parametrize("method,opts", [(m, {}) for m in METHODS] + [("prism", {"prism_copy": True})])
+def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
     """train.Step with CUDA graphs (padded batches, each padded length captured once and replayed)
     against the eager step from the same initialisation: 12 steps of copy (lengths 1-12, so several
-    padded lengths and replays of each). Tolerance: bf16 autocast in both, the padded batches'
-    kernels sum in another order, and the difference grows with each update."""
+    padded lengths and replays of each); PRISM also with its copy branch. Tolerance: bf16 autocast
+    in both, the padded batches' kernels sum in another order, and the difference grows with each
+    update."""
     task = TASKS["copy"] if train.METHODS[method].causal_only else TASKS["add_padded"]
     losses = []
     for graphs in (False, True):
         cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
                                    n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
-                                   if task.name == "copy" else None), "gpu")
+                                   if task.name == "copy" else None, opts=opts), "gpu")
         cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
         torch.manual_seed(0)

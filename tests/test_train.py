@@ -144,6 +144,28 @@ def test_evaluate_reports_each_length_and_variant():
     assert [r["length"] for r in rows] == [1, 3] and all(0 <= r["token"] <= 1 for r in rows)
 
 
+def test_evaluation_out_of_gpu_memory_runs_in_smaller_passes():
+    """A forward pass of more than 3 examples raises torch.OutOfMemoryError: evaluate splits the
+    passes (across lengths, then within one length) and counts the same examples the same way."""
+    task = TASKS["copy"]
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=len(task.vocab), d_model=16, n_layers=1, n_heads=2, method="rope"))
+    rows = evaluate(model, task, [1, 3, 5], 8, 0, "cpu")
+    forward, sizes = model.forward, []
+
+    def small_memory(x, ctx):
+        sizes.append(len(x))
+        if len(x) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(x, ctx)
+    model.forward = small_memory
+    assert evaluate(model, task, [1, 3, 5], 8, 0, "cpu") == rows
+    assert sizes[0] == 24 and sum(s for s in sizes if s <= 3) == 24 and 16 in sizes and 4 in sizes
+    model.forward = lambda x, ctx: (_ for _ in ()).throw(torch.OutOfMemoryError("always"))
+    with pytest.raises(torch.OutOfMemoryError):        # down to one example, the error is raised
+        evaluate(model, task, [1], 2, 0, "cpu")
+
+
 def test_schedule_and_curriculum():
     cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)

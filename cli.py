@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
-                   "1 on CPU; on CUDA one per 8 GB of GPU memory, at most 8 and the number of runs)")
+                   "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8 and the number of runs)")
     g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
                    "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
     g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
@@ -498,7 +498,7 @@ def speed(args, device: str, n_runs: int) -> dict:
     and CUDA graphs (see --help)."""
     cuda = device.startswith("cuda")
     if args.jobs is None:
-        memory = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+        memory = torch.cuda.mem_get_info(0)[0] if cuda else 0    # free now: other commands' runs count
         args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")

@@ -345,6 +345,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     model.pt in cfg.run_dir(); return the metrics. The loop stops with a checkpoint when flag["stop"]
     is set (cli.run sets it on SIGINT/SIGTERM). The config is taken as valid: cli.validate checks it."""
     task, flag, device = TASKS[cfg.task], flag or {"stop": None}, device_of(cfg.device)
+    commit = git_hash()      # the code this process imported: read before a long run, not after it
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
     ckpt = torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False) if resume else None
     train_lengths = cfg.train_lengths or task.train_lengths
@@ -458,7 +459,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
-        "git": git_hash(), "device": device_name(device), "wall_s": round(wall, 1),
+        "git": commit, "device": device_name(device), "wall_s": round(wall, 1),
         "steps_per_s": round((step - mark[0]) / max(loop, 1e-9), 2),
         "data_wait": round((waited - mark[2]) / max(loop, 1e-9), 3),
         "n_params": n_params, "train_max_length": train_max,

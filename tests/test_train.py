@@ -192,6 +192,19 @@ def test_train_writes_metrics_and_model(tmp_path):
     assert not list(out.glob("*.tmp"))
 
 
+def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):
+    """A commit made while a run trains does not change the commit its metrics name."""
+    commit = {"now": "start"}
+    monkeypatch.setattr(train, "git_hash", lambda: commit["now"])
+    real = train.Step.__call__
+
+    def commit_during_training(self, batch):
+        commit["now"] = "later"
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", commit_during_training)
+    assert train.train(tiny_config(tmp_path), log=lambda *_: None)["git"] == "start"
+
+
 def same_run(a, b):
     """The two runs' final weights and loss curves are bit-identical."""
     wa, wb = torch.load(a.run_dir() / "model.pt"), torch.load(b.run_dir() / "model.pt")

@@ -347,6 +347,7 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False) -> li
             try:
                 run(cfg, resume=resume)
             except Exception as e:
+                traceback.print_exc()
                 failure(cfg.run_dir(), e)
         return failed
     print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
@@ -357,14 +358,14 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False) -> li
             try:
                 print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
             except Exception as e:
-                failure(folder, e)
+                failure(folder, e)                       # its traceback is in its train.log
     return failed
 
 
 def check_failures(failed: list[str], n_runs: int):
     if failed:
-        raise RunsFailed(f"{len(failed)} of {n_runs} runs failed (the others ran to the end; each run's "
-                         f"train.log has its error); the first: {failed[0]}")
+        raise RunsFailed(f"{len(failed)} of {n_runs} runs failed (the others ran to the end); the first: "
+                         f"{failed[0]}")
 
 
 def run_logged(cfg: TrainConfig, resume: bool = False) -> str:

@@ -50,8 +50,9 @@ def test_a_failed_run_does_not_stop_the_others(capsys, tmp_path, monkeypatch):
     out = tmp_path / "runs"
     code, stdout, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
     assert code == 1 and (out / "copy" / "rope" / "metrics.json").exists()
-    assert err.strip() == (f"error: 1 of 2 runs failed (the others ran to the end; each run's train.log has its "
-                           f"error); the first: {out}/copy/nope/seed0: RuntimeError: CUDA out of memory (simulated)")
+    assert err.strip().splitlines()[-1] == (f"error: 1 of 2 runs failed (the others ran to the end); the first: "
+                                            f"{out}/copy/nope/seed0: RuntimeError: CUDA out of memory (simulated)")
+    assert "Traceback" in err and f"failed {out}/copy/nope/seed0" in stdout
     table = (out / "reproduce" / "tiny.md").read_text()
     assert "| copy/nope | this repo | not run |" in table and "| copy/rope | this repo, last checkpoint" in table
 

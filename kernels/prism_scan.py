@@ -96,21 +96,13 @@ def _bwd(R, INC, DEC, KEEP, GAMMA, HIST, DHIST, SCRATCH, DR, DINC, DDEC, DKEEP, 
     tl.store(DGAMMA + row, dgamma)
 
 
-def num_warps(BP: int) -> int:
-    """Warps per program: 4 up to 512 bins, then more, so that each thread keeps at most 16 bins of
-    each of the kernels' vectors in registers. With 4 warps at 1024 or 2048 bins the registers
-    spill, and a CUDA graph replaying these kernels after another graph was captured hit illegal
-    memory accesses (prism-more's mul_cot with 1280 bins; eager steps ran clean)."""
-    return max(4, min(16, BP // 128))
-
-
 class HistogramScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, inc, dec, keep, gamma, P, eps):
         BC, T = r.shape
         hist = torch.empty(BC, T + 1, P, device=r.device, dtype=torch.float32)
         BP = triton.next_power_of_2(P)
-        _fwd[(BC,)](r, inc, dec, keep, gamma, hist, T, eps, P=P, BP=BP, num_warps=num_warps(BP))
+        _fwd[(BC,)](r, inc, dec, keep, gamma, hist, T, eps, P=P, BP=BP)
         ctx.save_for_backward(r, inc, dec, keep, gamma, hist)
         ctx.P, ctx.eps = P, eps
         return hist[:, 1:]
@@ -124,7 +116,7 @@ class HistogramScan(torch.autograd.Function):
         dgamma = torch.empty_like(gamma)
         scratch = torch.empty(BC, BP, device=r.device, dtype=torch.float32)
         _bwd[(BC,)](r, inc, dec, keep, gamma, hist, dhist.contiguous().float(), scratch, *grads, dgamma, T, ctx.eps,
-                    P=P, BP=BP, num_warps=num_warps(BP))
+                    P=P, BP=BP)
         return (*grads, dgamma, None, None)
 
 

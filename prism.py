@@ -369,7 +369,16 @@ def alpha_group(model, base_lr):
     return [{"params": alphas, "lr": 0.03, "betas": (0.8, 0.92), "weight_decay": 0.0}] if alphas else []
 
 
-PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
+def no_graphs(opts) -> str | None:
+    """More than 512 bins: training takes eager steps, not CUDA graphs. With 896 and 1280 bins
+    (mul_cot), replaying one padded length's graph after another length's graph was captured hit
+    an illegal memory access, while the same steps ran clean eagerly (compute-sanitizer found
+    nothing) and through the vectorised torch scan; 288 and 512 bins ran under graphs."""
+    P = int(opts.get("prism_bins", 256))
+    return f"prism_bins = {P} > 512: CUDA graphs of the Triton scan are not safe there" if P > 512 else None
+
+
+PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group, no_graphs=no_graphs,
                options={"prism_cursors": "query (and key) cursors per head, int (default 4)",
                         "prism_bins": "histogram bins P, int >= the longest sequence (default 256)",
                         "prism_dim": "superposition width d per cursor, int (default 32)",

@@ -12,6 +12,7 @@ import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
+import prism
 from cli import main, make_config
 from train import TrainConfig, build_model, evaluate, score
 
@@ -203,6 +204,17 @@ def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):
         return real(self, batch)
     monkeypatch.setattr(train.Step, "__call__", commit_during_training)
     assert train.train(tiny_config(tmp_path), log=lambda *_: None)["git"] == "start"
+
+
+def test_a_method_can_turn_cuda_graphs_off(tmp_path):
+    """PRISM above 512 bins takes eager steps (prism.no_graphs says why); the run trains and its
+    metrics record graphs off. On CPU a step with graphs still on would fail at the capture."""
+    lines = []
+    cfg = tiny_config(tmp_path, method="prism", steps=3, graphs=True, opts={"prism_bins": 600})
+    metrics = train.train(cfg, log=lines.append)
+    assert metrics["config"]["graphs"] is False
+    assert any("CUDA graphs off" in line and "600" in line for line in lines), lines
+    assert prism.no_graphs({"prism_bins": 512}) is None and prism.no_graphs({}) is None
 
 
 def same_run(a, b):

@@ -370,10 +370,10 @@ def alpha_group(model, base_lr):
 
 
 def no_graphs(opts) -> str | None:
-    """More than 512 bins: training takes eager steps, not CUDA graphs. Above 512 bins, replaying
-    one padded length's graph after another length's graph was captured faults with an illegal
-    memory access in the Triton scan's steps, while the same steps run clean eagerly; the cause
-    is not found (docs/perf/prism.md lists what was measured)."""
+    """More than 512 bins: training takes eager steps, not CUDA graphs. At 896 and 1280 bins
+    (288 and 512 run), replaying one padded length's graph after another length's graph was
+    captured faults with an illegal memory access in the Triton scan's steps, while the same steps
+    run clean eagerly; the cause is not found (docs/perf/prism.md lists what was measured)."""
     P = int(opts.get("prism_bins", 256))
     return f"prism_bins = {P} > 512: CUDA graphs of the Triton scan are not safe there" if P > 512 else None
 

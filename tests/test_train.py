@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 import cli
+import prism
 import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
-import prism
 from cli import main, make_config
 from train import TrainConfig, build_model, evaluate, score
 

@@ -306,11 +306,12 @@ EXPERIMENTS: dict[str, Experiment] = {
               dict(task="stack", method="prism", curriculum=True, n_layers=5,
                    opts={"prism_blocks": [0, 3], "prism_bins": 512}),
               dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5, opts={"prism_copy": True}),
-              dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, opts={"prism_bins": 1280}),
-              dict(task="scan_cot", method="prism", n_layers=5, opts={"prism_copy": True})],
+              dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, steps=2000,
+                   opts={"prism_bins": 1280}),
+              dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True})],
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
-        scaled="the GPU preset per task (3k steps, reverse 2k; the paper: 150k) with the paper's 5 layers, at least as many "
+        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k) with the paper's 5 layers, at least as many "
                "bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4"),

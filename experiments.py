@@ -300,7 +300,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
         runs=[dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
-                   steps=2000, opts={"prism_bins": 512, "prism_copy": True}),
+                   steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True}),
               dict(task="odds_first", method="prism", curriculum=True, n_layers=5,
                    opts={"prism_blocks": [0, 3], "prism_bins": 512}),
               dict(task="stack", method="prism", curriculum=True, n_layers=5,
@@ -311,7 +311,7 @@ EXPERIMENTS: dict[str, Experiment] = {
               dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True})],
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
-        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k) with the paper's 5 layers, at least as many "
+        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; reverse evaluated on 128 examples per length) with the paper's 5 layers, at least as many "
                "bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4"),

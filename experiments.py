@@ -365,10 +365,9 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
             continue
         s = json.loads(path.read_text())
-        n = s["eval"][0].get("n")      # (absent from runs made before it was recorded)
         cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
         lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean (min-max) over seeds"
-                     + (f", {n} examples per point" if n else "") + " | " + " | ".join(cells)
+                     + examples_note(s["eval"]) + " | " + " | ".join(cells)
                      + f" | {len(s['seeds'])} | {s['device']} | {np.mean(s['wall_s']) / 60:.1f} min |")
         for rule, points in s.get("ablations", {}).items():
             cells = [column_value({**s, "eval": points}, sel, metric) for _, sel, metric in exp.columns]
@@ -430,6 +429,17 @@ def column_numbers(summary: dict, selector, metric: str):
     if metric == "error":
         return 100 * (1 - mean("token")), 100 * (1 - mean("token_max")), 100 * (1 - mean("token_min"))
     return mean(metric), mean(metric + "_min"), mean(metric + "_max")
+
+
+def examples_note(points: list[dict]) -> str:
+    """How many examples each evaluated point holds: one number, or the range where the lengths
+    differ (SCAN evaluates every command of the split, 6 to several hundred per action count)."""
+    ns = [p["n"] for p in points if p.get("n")]     # (absent from runs made before it was recorded)
+    if not ns:
+        return ""
+    if min(ns) == max(ns):
+        return f", {ns[0]} examples per point"
+    return f", {sum(ns)} examples, {min(ns)}-{max(ns)} per length"
 
 
 def column_value(summary: dict, selector, metric: str) -> str:

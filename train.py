@@ -510,7 +510,10 @@ def device_name(device: str) -> str:
 def summary_line(rows, train_max) -> str:
     ind = [r for r in rows if r["length"] <= train_max]
     ood = [r for r in rows if r["length"] > train_max]
-    part = lambda rs: f"{np.mean([r['exact'] for r in rs]):.3f}" if rs else "-"  # noqa: E731
+
+    def part(rs):   # exact match over examples, as the tables count it (SCAN's lengths differ in size)
+        return f"{np.average([r['exact'] for r in rs], weights=[r.get('n') or 1 for r in rs]):.3f}" if rs else "-"
+
     if rows and rows[0]["variant"]:
         return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
     return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"

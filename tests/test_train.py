@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import cli
+import experiments
 import prism
 import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
 from cli import main, make_config
-from train import TrainConfig, build_model, evaluate, score
+from train import TrainConfig, build_model, evaluate, score, summary_line
 
 
 def tiny_config(tmp_path, **kw):
@@ -580,3 +581,13 @@ def test_scan_is_evaluated_on_every_command():
     model = build_model(ModelConfig(vocab_size=len(task.vocab), d_model=16, n_layers=1, n_heads=2, method="nope"))
     rows = evaluate(model, task, [24, 48], 8, 0, "cpu")
     assert [r["n"] for r in rows] == [336, 128]             # the test split's commands of 24 and 48 actions
+
+
+def test_the_run_summary_and_the_table_count_scan_over_commands():
+    """A length with 336 commands weighs 336 times one with 1; the table's examples note gives the
+    per-length range where lengths differ in size, one number where they do not."""
+    rows = [dict(length=24, variant="", name="24", n=336, exact=1.0), dict(length=48, variant="", name="48", n=1, exact=0.0)]
+    assert summary_line(rows, 22) == f"exact in-dist - | beyond train length {336 / 337:.3f}"
+    assert experiments.examples_note(rows) == ", 337 examples, 1-336 per length"
+    assert experiments.examples_note([{**r, "n": 8} for r in rows]) == ", 8 examples per point"
+    assert experiments.examples_note([{"length": 3, "exact": 1.0}]) == ""

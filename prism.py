@@ -369,13 +369,20 @@ def alpha_group(model, base_lr):
     return [{"params": alphas, "lr": 0.03, "betas": (0.8, 0.92), "weight_decay": 0.0}] if alphas else []
 
 
-def no_graphs(opts) -> str | None:
-    """More than 512 bins: training takes eager steps, not CUDA graphs. At 896 and 1280 bins
-    (288 and 512 run), replaying one padded length's graph after another length's graph was
-    captured faults with an illegal memory access in the Triton scan's steps, while the same steps
-    run clean eagerly; the cause is not found (docs/perf/prism.md lists what was measured)."""
-    P = int(opts.get("prism_bins", 256))
-    return f"prism_bins = {P} > 512: CUDA graphs of the Triton scan are not safe there" if P > 512 else None
+def no_graphs(cfg) -> str | None:
+    """Training takes eager steps, not CUDA graphs, above 512 bins, and at 512 when the run also
+    evaluates during training. In those settings, replaying one padded length's graph after
+    another length's graph was captured faulted with an illegal memory access in the Triton scan's
+    steps: at 896 and 1280 bins, and at 512 with evaluations every 500 steps (three of three
+    seeds). The same steps run clean eagerly. 288 and 512 bins without evaluations, and 256 bins
+    with them, trained under graphs. The cause is not found (docs/perf/prism.md lists what was
+    measured)."""
+    P = int(cfg.model.opts.get("prism_bins", 256))
+    if P > 512:
+        return f"prism_bins = {P} > 512: CUDA graphs of the Triton scan are not safe there"
+    if P == 512 and cfg.eval_every:
+        return "prism_bins = 512 with evaluations during training: CUDA graphs of the Triton scan are not safe there"
+    return None
 
 
 PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group, no_graphs=no_graphs,

@@ -370,18 +370,15 @@ def alpha_group(model, base_lr):
 
 
 def no_graphs(cfg) -> str | None:
-    """Training takes eager steps, not CUDA graphs, above 512 bins, and at 512 when the run also
-    evaluates during training. In those settings, replaying one padded length's graph after
-    another length's graph was captured faulted with an illegal memory access in the Triton scan's
-    steps: at 896 and 1280 bins, and at 512 with evaluations every 500 steps (three of three
-    seeds). The same steps run clean eagerly. 288 and 512 bins without evaluations, and 256 bins
-    with them, trained under graphs. The cause is not found (docs/perf/prism.md lists what was
-    measured)."""
+    """Training takes eager steps, not CUDA graphs, where the Triton scan runs (no copy branch) with
+    512 bins or more. There, under graphs, replaying one padded length's graph after another
+    length's graph was captured faulted with an illegal memory access (896 and 1280 bins; 512 with
+    evaluations during training), and where it did not fault, training went worse than the same
+    run eagerly (stack and odds_first at 512 bins). Eager steps run clean and give the same loss
+    on every run of one seed. The cause is not found; docs/perf/prism.md lists what was measured."""
     P = int(cfg.model.opts.get("prism_bins", 256))
-    if P > 512:
-        return f"prism_bins = {P} > 512: CUDA graphs of the Triton scan are not safe there"
-    if P == 512 and cfg.eval_every:
-        return "prism_bins = 512 with evaluations during training: CUDA graphs of the Triton scan are not safe there"
+    if P >= 512 and not cfg.model.opts.get("prism_copy", False):
+        return f"prism_bins = {P} >= 512 with the Triton scan: CUDA graphs of it are not safe there"
     return None
 
 

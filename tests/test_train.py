@@ -208,18 +208,17 @@ def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):
 
 
 def test_a_method_can_turn_cuda_graphs_off(tmp_path):
-    """PRISM above 512 bins, or at 512 with evaluations during training, takes eager steps
-    (prism.no_graphs says why); the run trains and its metrics record graphs off. On CPU a step
-    with graphs still on would fail at the capture."""
+    """PRISM's Triton scan with 512 bins or more takes eager steps (prism.no_graphs says why); the
+    run trains and its metrics record graphs off. On CPU a step with graphs still on would fail at
+    the capture."""
     lines = []
     cfg = tiny_config(tmp_path, method="prism", steps=3, graphs=True, opts={"prism_bins": 600})
     metrics = train.train(cfg, log=lines.append)
     assert metrics["config"]["graphs"] is False
     assert any("CUDA graphs off" in line and "600" in line for line in lines), lines
-    rule = lambda bins, every: prism.no_graphs(tiny_config(tmp_path, method="prism", eval_every=every,  # noqa: E731
-                                                           opts={} if bins is None else {"prism_bins": bins}))
-    assert rule(512, 0) is None and rule(None, 0) is None and rule(256, 100) is None
-    assert "evaluations during training" in rule(512, 100) and "600 > 512" in rule(600, 0)
+    rule = lambda **opts: prism.no_graphs(tiny_config(tmp_path, method="prism", opts=opts))  # noqa: E731
+    assert rule() is None and rule(prism_bins=288) is None and rule(prism_bins=512, prism_copy=True) is None
+    assert "512 >= 512" in rule(prism_bins=512) and "1280 >= 512" in rule(prism_bins=1280)
 
 
 def same_run(a, b):

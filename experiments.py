@@ -311,8 +311,8 @@ EXPERIMENTS: dict[str, Experiment] = {
               dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True})],
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
-        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; reverse evaluated on 128 examples per length) with the paper's 5 layers, at least as many "
-               "bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
+        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; reverse "
+               "evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4"),
     "upe-add": Experiment(

@@ -374,8 +374,9 @@ def no_graphs(cfg) -> str | None:
     512 bins or more. There, under graphs, replaying one padded length's graph after another
     length's graph was captured faulted with an illegal memory access (896 and 1280 bins; 512 with
     evaluations during training), and where it did not fault, training went worse than the same
-    run eagerly (stack and odds_first at 512 bins). Eager steps run clean and give the same loss
-    on every run of one seed. The cause is not found; docs/perf/prism.md lists what was measured."""
+    run eagerly (stack and odds_first at 512 bins). Eager steps run clean, and two eager runs of
+    one seed gave bit-identical losses step by step. The cause is not found; docs/perf/prism.md
+    lists what was measured."""
     P = int(cfg.model.opts.get("prism_bins", 256))
     if P >= 512 and not cfg.model.opts.get("prism_copy", False):
         return f"prism_bins = {P} >= 512 with the Triton scan: CUDA graphs of it are not safe there"

@@ -250,8 +250,8 @@ class Step:
     With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch
     of each padded length runs eagerly (a real step), then that step is captured as a CUDA graph
     which the later batches of the length replay: one launch instead of hundreds for a tiny model.
-    Padding changes no result: pads come after every real token (causal models never read them),
-    are never supervised, and bidirectional models mask them as keys."""
+    Padding changes no result beyond float rounding: pads come after every real token (causal
+    models never read them), are never supervised, and bidirectional models mask them as keys."""
 
     BUCKET = 32
 

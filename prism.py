@@ -37,6 +37,7 @@ Shapes: B batch, T time, N cursors (O per head), P histogram bins, d sinusoid wi
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -216,23 +217,32 @@ class OrthogonalExp(nn.Module):
 
 class PrismGates(nn.Module):
     """A GRU (hidden 100) over the residual stream, emitting per cursor p_reset (Bernoulli) and
-    (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal."""
+    (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal.
+
+    The GRU's weights are this module's own parameters, initialised as nn.GRU does, and go to the
+    GRU op as they are. The nn.GRU module would, on CUDA, copy its weights into one cuDNN buffer on
+    every call (a parametrised weight is a new tensor each time) and point its parameters at that
+    buffer; captured in a CUDA graph, that copy runs again at every replay and writes the weights
+    of the capture's time over the trained ones."""
 
     def __init__(self, d_model: int, n_cursors: int, hidden: int = 100):
         super().__init__()
-        self.n = n_cursors
-        self.gru = nn.GRU(d_model, hidden, batch_first=True)
-        parametrize.register_parametrization(self.gru, "weight_hh_l0", OrthogonalExp(3 * hidden))
+        self.n, self.hidden = n_cursors, hidden
+        bound = hidden ** -0.5
+        uniform = lambda *shape: nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))  # noqa: E731
+        self.w_ih, self.w_hh = uniform(3 * hidden, d_model), uniform(3 * hidden, hidden)    # gates r, z, n
+        self.b_ih, self.b_hh = uniform(3 * hidden), uniform(3 * hidden)
+        parametrize.register_parametrization(self, "w_hh", OrthogonalExp(3 * hidden))
         self.head = nn.Linear(hidden, 4 * n_cursors)
 
     def forward(self, h):
         """h: (B, T, d_model) -> p_reset, p_inc, p_dec, p_keep: (B, n_cursors, T) float32."""
         B, T, _ = h.shape
-        with torch.autocast(h.device.type, enabled=False):  # the recurrence in float32 (cuDNN wants one dtype)
-            out, _ = self.gru(h.float())
-        # nn.GRU keeps the weights of its last call: with W_hh parametrised they would keep this
-        # step's autograd graph alive into the next step, which a CUDA graph capture refuses
-        self.gru._flat_weights = [None if w is None else w.detach() for w in self.gru._flat_weights]
+        h0 = h.new_zeros(1, B, self.hidden, dtype=torch.float32)
+        with torch.autocast(h.device.type, enabled=False), warnings.catch_warnings():  # W_hh and the recurrence
+            warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous")
+            weights = [self.w_ih, self.w_hh, self.b_ih, self.b_hh]                       # in float32
+            out, _ = torch.gru(h.float(), h0, weights, True, 1, 0.0, self.training, False, True)  # (B, T, hidden)
         logits = self.head(out).float().view(B, T, self.n, 4).permute(0, 2, 1, 3)   # (B, n, T, 4)
         move = logits[..., 1:].softmax(-1)
         return torch.sigmoid(logits[..., 0]), move[..., 0], move[..., 1], move[..., 2]

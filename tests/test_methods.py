@@ -141,9 +141,13 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
     against the eager step from the same initialisation: 12 steps of copy (lengths 1-12, so several
     padded lengths and replays of each); PRISM also with its copy branch. Tolerance: bf16 autocast
     in both, the padded batches' kernels sum in another order, and the difference grows with each
-    update."""
+    update.
+
+    Every parameter must also move as far under graphs as eagerly (AdamW moves each weight by about
+    the learning rate per step whatever its gradient, so the two distances agree well within 2x): a
+    replay that restored some weights to their values at capture would move them by one step only."""
     task = TASKS["copy"] if train.METHODS[method].causal_only else TASKS["add_padded"]
-    losses = []
+    losses, moved = [], []
     for graphs in (False, True):
         cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
                                    n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
@@ -155,7 +159,12 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
         opt = train.make_optimizer(model, cfg, "cuda")
         step = train.Step(model, model, opt, cfg, task, "cuda")
         data = TrainBatches(task, cfg.train_lengths or task.train_lengths, cfg.batch_size, cfg.seed, cfg.steps)
+        start = {name: p.detach().clone() for name, p in model.named_parameters()}
         losses.append(torch.stack([step(data[s]) for s in range(12)]).tolist())
+        moved.append({name: (p.detach() - start[name]).norm().item() for name, p in model.named_parameters()})
         if graphs:
             assert len(step.graphs) >= 1 and len(step.graphs) < 12, "the check needs replays"
     assert np.allclose(losses[0], losses[1], rtol=0.05, atol=0.02), losses
+    far = {name: (eager, moved[1][name]) for name, eager in moved[0].items()
+           if eager > 0 and not 0.5 < moved[1][name] / eager < 2}
+    assert not far, far

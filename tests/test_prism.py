@@ -277,21 +277,31 @@ def test_orthogonal_map_is_the_matrix_exponential():
     assert torch.allclose(p(X).T @ p(X), torch.eye(10), atol=2e-5)
 
 
-def test_gates_keep_no_graph_and_follow_their_weights():
-    """After a call the GRU holds no autograd graph of it (CUDA graphs need this), and the next call
-    uses the parametrised W_hh as it is then."""
+def test_gates_follow_their_weights():
+    """Each call runs the GRU on W_hh as its parametrisation gives it then."""
     gates = PrismHooks(prism_cfg()).gates[0]
     h = torch.randn(2, 5, 32)
     first = gates(h)[0]
-    assert all(w is None or w.grad_fn is None for w in gates.gru._flat_weights)
     with torch.no_grad():
-        gates.gru.parametrizations.weight_hh_l0.original.add_(0.1)
+        gates.parametrizations.w_hh.original.add_(0.1)
     assert not torch.allclose(gates(h)[0], first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gates_leave_their_parameters_in_place_on_cuda():
+    """A call must not move the parameters to new memory (the nn.GRU module does, into a cuDNN
+    buffer, on every call with a parametrised weight): a CUDA graph keeps the addresses of its
+    capture."""
+    gates = PrismHooks(prism_cfg()).gates[0].cuda()
+    where = [p.data_ptr() for p in gates.parameters()]
+    gates(torch.randn(2, 5, 32, device="cuda"))[0].sum().backward()
+    assert [p.data_ptr() for p in gates.parameters()] == where
 
 
 def test_gru_hidden_matrix_is_orthogonal():
     hooks = PrismHooks(prism_cfg())
-    w = hooks.gates[0].gru.weight_hh_l0                                  # (3 * 100, 100): orthonormal columns
+    w = hooks.gates[0].w_hh                                  # (3 * 100, 100): orthonormal columns
     assert torch.allclose(w.T @ w, torch.eye(100), atol=1e-4)
 
 

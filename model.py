@@ -201,7 +201,6 @@ class Method:
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
     options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> help
     test_time_s: bool = False      # reads ctx["s"] (ViPE): evaluated under every rule for s
-    no_graphs: Callable | None = None      # optional fn(TrainConfig) -> why steps must run eagerly, or None
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:

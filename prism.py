@@ -379,21 +379,7 @@ def alpha_group(model, base_lr):
     return [{"params": alphas, "lr": 0.03, "betas": (0.8, 0.92), "weight_decay": 0.0}] if alphas else []
 
 
-def no_graphs(cfg) -> str | None:
-    """Training takes eager steps, not CUDA graphs, where the Triton scan runs (no copy branch) with
-    512 bins or more. There, under graphs, replaying one padded length's graph after another
-    length's graph was captured faulted with an illegal memory access (896 and 1280 bins; 512 with
-    evaluations during training), and where it did not fault, training went worse than the same
-    run eagerly (stack and odds_first at 512 bins). Eager steps run clean, and two eager runs of
-    one seed gave bit-identical losses step by step. The cause is not found; docs/perf/prism.md
-    lists what was measured."""
-    P = int(cfg.model.opts.get("prism_bins", 256))
-    if P >= 512 and not cfg.model.opts.get("prism_copy", False):
-        return f"prism_bins = {P} >= 512 with the Triton scan: CUDA graphs of it are not safe there"
-    return None
-
-
-PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group, no_graphs=no_graphs,
+PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                options={"prism_cursors": "query (and key) cursors per head, int (default 4)",
                         "prism_bins": "histogram bins P, int >= the longest sequence (default 256)",
                         "prism_dim": "superposition width d per cursor, int (default 32)",

@@ -368,10 +368,6 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
         step, losses, wall, history = ckpt["step"], ckpt["losses"], ckpt["wall"], ckpt.get("history", [])
         log(f"resumed {cfg.run_dir()} at step {step}")
-    why = cfg.graphs and METHODS[cfg.method].no_graphs and METHODS[cfg.method].no_graphs(cfg)
-    if why:
-        cfg.graphs = False
-        log(f"CUDA graphs off, eager steps: {why}")
     fwd = torch.compile(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
 

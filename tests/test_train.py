@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 import cli
 import experiments
-import prism
 import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
@@ -205,20 +204,6 @@ def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):
         return real(self, batch)
     monkeypatch.setattr(train.Step, "__call__", commit_during_training)
     assert train.train(tiny_config(tmp_path), log=lambda *_: None)["git"] == "start"
-
-
-def test_a_method_can_turn_cuda_graphs_off(tmp_path):
-    """PRISM's Triton scan with 512 bins or more takes eager steps (prism.no_graphs says why); the
-    run trains and its metrics record graphs off. On CPU a step with graphs still on would fail at
-    the capture."""
-    lines = []
-    cfg = tiny_config(tmp_path, method="prism", steps=3, graphs=True, opts={"prism_bins": 600})
-    metrics = train.train(cfg, log=lines.append)
-    assert metrics["config"]["graphs"] is False
-    assert any("CUDA graphs off" in line and "600" in line for line in lines), lines
-    rule = lambda **opts: prism.no_graphs(tiny_config(tmp_path, method="prism", opts=opts))  # noqa: E731
-    assert rule() is None and rule(prism_bins=288) is None and rule(prism_bins=512, prism_copy=True) is None
-    assert "512 >= 512" in rule(prism_bins=512) and "1280 >= 512" in rule(prism_bins=1280)
 
 
 def same_run(a, b):

@@ -140,6 +140,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     for r, (exact, right, sup) in zip(rows, counts):
         r.update(exact=exact / r["n"], token=right / max(sup, 1))
     model.train()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()                           # back to the runs that share the GPU
     return rows
 
 
@@ -250,6 +252,9 @@ class Step:
     With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch
     of each padded length runs eagerly (a real step), then that step is captured as a CUDA graph
     which the later batches of the length replay: one launch instead of hundreds for a tiny model.
+    The graphs share one memory pool (they replay one at a time and each replay's loss is copied
+    before the next; parameters, optimiser state and the input buffers live outside it), so a run
+    holds the memory of its largest step, not of all of them; `release` frees it.
     Padding changes no result beyond float rounding: pads come after every real token (causal
     models never read them), are never supervised, and bidirectional models mask them as keys."""
 
@@ -260,6 +265,7 @@ class Step:
         self.s = s                              # ViPE's compression: 1 in training, the fixed s in fine-tuning
         self.pad = cfg.graphs or cfg.compile    # compiled models: a few shapes, so a few compilations
         self.buffers, self.graphs = {}, {}      # padded length -> static (x, y, slot); -> (graph, loss)
+        self.pool = None                        # the graphs' memory pool
 
     def body(self, x, y, ctx):
         """x, y: (B, T) on the device -> the loss (0-dim). Padded inputs get their key mask here,
@@ -303,10 +309,18 @@ class Step:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.opt.zero_grad(set_to_none=True)             # the graph's backward allocates the gradients
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             loss = self.body(x, y, ctx)
         self.graphs[T] = (graph, loss)
         return first
+
+    def release(self):
+        """Frees the graphs and their memory (the gradients live there too), for the evaluation."""
+        self.opt.zero_grad(set_to_none=True)
+        self.graphs, self.buffers, self.pool = {}, {}, None
+        if self.pad and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def make_optimizer(model, cfg: TrainConfig, device: str):
@@ -444,6 +458,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             checkpoint()
     wall, loop = time.time() - t0, time.time() - mark[1]
     del stream                                   # stops the data workers
+    train_step.release()
 
     train_max = max(train_lengths)
     ablations = {}                               # ViPE: the other rules for s, before any fine-tuning
@@ -491,6 +506,7 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
                               f"checkpoint at step {cfg.steps} and fine-tunes again")
         losses.append(step(batch))
     last = torch.stack(losses).tolist()[-1] if losses else 0.0
+    step.release()
     if not math.isfinite(last):
         raise NaNLoss(f"loss is {last} at the end of fine-tuning (the checkpoint at step {cfg.steps} is kept)")
 

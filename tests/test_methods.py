@@ -138,8 +138,9 @@ def test_methods_learn_on_the_gpu(method):
 @pytest.mark.parametrize("method,opts", [(m, {}) for m in METHODS] + [("prism", {"prism_copy": True})])
 def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
     """train.Step with CUDA graphs (padded batches, each padded length captured once and replayed)
-    against the eager step from the same initialisation: 12 steps of copy (lengths 1-12, so several
-    padded lengths and replays of each); PRISM also with its copy branch. Tolerance: bf16 autocast
+    against the eager step from the same initialisation: 12 steps of copy, every third of lengths
+    20-24 and the others of lengths 1-6 (two padded lengths, whose graphs share one memory pool,
+    replayed in turn); PRISM also with its copy branch. Tolerance: bf16 autocast
     in both, the padded batches' kernels sum in another order, and the difference grows with each
     update.
 
@@ -150,20 +151,26 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
     losses, moved = [], []
     for graphs in (False, True):
         cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
-                                   n_layers=2, batch_size=16, graphs=graphs, train_lengths=list(range(1, 13))
-                                   if task.name == "copy" else None, opts=opts), "gpu")
+                                   n_layers=2, batch_size=16, graphs=graphs, opts=opts), "gpu")
         cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
         torch.manual_seed(0)
         model = train.build_model(cfg.model).cuda()
         opt = train.make_optimizer(model, cfg, "cuda")
         step = train.Step(model, model, opt, cfg, task, "cuda")
-        data = TrainBatches(task, cfg.train_lengths or task.train_lengths, cfg.batch_size, cfg.seed, cfg.steps)
+        if task.name == "copy":
+            short, long = (TrainBatches(task, lengths, 16, 0, 12) for lengths in ([1, 2, 3, 4, 5, 6], [20, 24]))
+            data = [long[s] if s % 3 == 2 else short[s] for s in range(12)]
+        else:
+            data = TrainBatches(task, task.train_lengths, 16, 0, 12)
         start = {name: p.detach().clone() for name, p in model.named_parameters()}
         losses.append(torch.stack([step(data[s]) for s in range(12)]).tolist())
         moved.append({name: (p.detach() - start[name]).norm().item() for name, p in model.named_parameters()})
         if graphs:
             assert len(step.graphs) >= 1 and len(step.graphs) < 12, "the check needs replays"
+            held = torch.cuda.memory_reserved()
+            step.release()                                   # the graphs' pool goes back to the driver
+            assert torch.cuda.memory_reserved() < held
     assert np.allclose(losses[0], losses[1], rtol=0.05, atol=0.02), losses
     far = {name: (eager, moved[1][name]) for name, eager in moved[0].items()
            if eager > 0 and not 0.5 < moved[1][name] / eager < 2}

@@ -76,13 +76,15 @@ def score(logits, y):
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
              train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
-             stream: int = 1, tokens_per_batch: int = 2 ** 17, test_max: int | None = None) -> list[dict]:
+             stream: int = 1, tokens_per_batch: int = 2 ** 15, test_max: int | None = None) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
     gives every example of a length once instead (the row's n is then their number). Examples of
     several lengths share one forward pass, right-padded (exact, as in `Step`), up to
-    tokens_per_batch tokens; a pass that runs out of GPU memory is split in two. ViPE's fixed s uses
+    tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
+    tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
+    memory is split in two, a training step beside it is not). ViPE's fixed s uses
     test_max (default: the longest of `lengths`)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
@@ -477,6 +479,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         "git": commit, "device": device_name(device), "wall_s": round(wall, 1),
         "steps_per_s": round((step - mark[0]) / max(loop, 1e-9), 2),
         "data_wait": round((waited - mark[2]) / max(loop, 1e-9), 3),
+        "peak_memory_gb": round(torch.cuda.max_memory_reserved() / 2 ** 30, 2) if device.startswith("cuda") else None,
         "n_params": n_params, "train_max_length": train_max,
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],

@@ -225,7 +225,7 @@ class PrismGates(nn.Module):
     buffer; captured in a CUDA graph, that copy runs again at every replay and writes the weights
     of the capture's time over the trained ones."""
 
-    def __init__(self, d_model: int, n_cursors: int, hidden: int = 100):
+    def __init__(self, d_model: int, n_cursors: int, hidden: int = 100, fixed_input: bool = False):
         super().__init__()
         self.n, self.hidden = n_cursors, hidden
         bound = hidden ** -0.5
@@ -233,6 +233,8 @@ class PrismGates(nn.Module):
         self.w_ih, self.w_hh = uniform(3 * hidden, d_model), uniform(3 * hidden, hidden)    # gates r, z, n
         self.b_ih, self.b_hh = uniform(3 * hidden), uniform(3 * hidden)
         parametrize.register_parametrization(self, "w_hh", OrthogonalExp(3 * hidden))
+        for p in (self.w_ih, self.b_ih, self.b_hh) if fixed_input else ():  # an ablation: the GRU reads the
+            p.requires_grad_(False)                                        # stream through a fixed random map
         self.head = nn.Linear(hidden, 4 * n_cursors)
 
     def forward(self, h):
@@ -286,7 +288,8 @@ class PrismHooks(Hooks):
         self.P, self.d = int(o.get("prism_bins", 256)), int(o.get("prism_dim", 32))
         self.blocks = [int(b) for b in o.get("prism_blocks", [0])]
         n = 2 * self.H * self.O                                         # query and key cursors
-        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n) for _ in self.blocks)
+        fixed = bool(o.get("prism_fixed_gru_input", False))
+        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed) for _ in self.blocks)
         # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT
         self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
         self.copy = bool(o.get("prism_copy", False))
@@ -385,7 +388,9 @@ PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                         "prism_dim": "superposition width d per cursor, int (default 32)",
                         "prism_blocks": "blocks before which positions are computed, list (default [0])",
                         "prism_copy": "the copy branch, true | false (default false)",
-                        "prism_alpha": "initial cursor scale alpha, float (default 8)"})
+                        "prism_alpha": "initial cursor scale alpha, float (default 8)",
+                        "prism_fixed_gru_input": "ablation: the gate GRU's input weights and biases stay at their "
+                                                 "random initial values, true | false (default false)"})
 
 
 # =============================================================================================

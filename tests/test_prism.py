@@ -287,6 +287,22 @@ def test_gates_follow_their_weights():
     assert not torch.allclose(gates(h)[0], first)
 
 
+def test_fixed_gru_input_ablation_trains_everything_else():
+    """prism_fixed_gru_input: an AdamW step leaves the GRU's input weights and biases as they were
+    and moves its hidden matrix and the gate head; without the option all of them move."""
+    for fixed in (True, False):
+        torch.manual_seed(0)
+        gates = PrismHooks(prism_cfg(prism_fixed_gru_input=fixed)).gates[0]
+        before = {k: v.detach().clone() for k, v in gates.state_dict().items()}
+        opt = torch.optim.AdamW([p for p in gates.parameters() if p.requires_grad], lr=1e-2)
+        sum(x.square().sum() for x in gates(torch.randn(2, 5, 32))).backward()
+        opt.step()
+        moved = {k for k, v in gates.state_dict().items() if not torch.equal(v, before[k])}
+        frozen = {"w_ih", "b_ih", "b_hh"}
+        assert {"parametrizations.w_hh.original", "head.weight"} <= moved
+        assert (moved & frozen) == (set() if fixed else frozen), moved
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gates_leave_their_parameters_in_place_on_cuda():

@@ -321,7 +321,7 @@ class Step:
         """Frees the graphs and their memory (the gradients live there too), for the evaluation."""
         self.opt.zero_grad(set_to_none=True)
         self.graphs, self.buffers, self.pool = {}, {}, None
-        if self.pad and torch.cuda.is_available():
+        if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
 

@@ -232,6 +232,9 @@ def _prism_vs_ape(task: str) -> list[dict]:
             dict(task=task, method="ape", ape_shift=100, curriculum=True, steps=10000, eval_every=1000)]
 
 
+_FIXED_GRU_INPUT = "prism-fixed-gru-input: the ablation with the gate GRU's input weights fixed at their random start"
+
+
 # The UPE paper's BERT (its appendix B) without its layer count, which differs per experiment.
 UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4, batch_size=64)
 
@@ -288,8 +291,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum "
                "compressed into the first half of the steps; 3 seeds, evaluated every 1000 steps for the paper's "
-               "rule (mean of the top 3 evaluations); prism-fixed-gru-input: the ablation with the gate GRU's "
-               "input weights fixed at their random start",
+               "rule (mean of the top 3 evaluations); " + _FIXED_GRU_INPUT,
         seeds=[0, 1, 2], select=("top3",)),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
@@ -298,8 +300,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
         paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 3 "
-               "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); prism-fixed-gru-input: "
-               "the ablation with the gate GRU's input weights fixed at their random start",
+               "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _FIXED_GRU_INPUT,
         seeds=[0, 1, 2], select=("top3",)),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "

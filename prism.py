@@ -215,9 +215,24 @@ class OrthogonalExp(nn.Module):
         return torch.zeros_like(W)
 
 
+class FrobeniusScaled(nn.Module):
+    """Parametrisation of W_hh from the paper's footnote to section 6.3 (an ablation): W = g sqrt(k)
+    V / ||V||_F, a fixed multiple sqrt(k) (the Frobenius norm of k orthonormal columns) of a small
+    learnable scalar g, starting at `scale`. With g < 1 the recurrence forgets, so the gates depend on
+    the recent stream more than on how long the sequence has run."""
+
+    def __init__(self, k: int, scale: float):
+        super().__init__()
+        self.k, self.g = k, nn.Parameter(torch.tensor(float(scale)))
+
+    def forward(self, V):
+        return self.g * self.k ** 0.5 * V / V.norm()
+
+
 class PrismGates(nn.Module):
     """A GRU (hidden 100) over the residual stream, emitting per cursor p_reset (Bernoulli) and
-    (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal.
+    (p_inc, p_dec, p_keep) (categorical). The hidden-to-hidden matrix is kept orthogonal (with
+    whh_scale > 0, an ablation: Frobenius-scaled, see FrobeniusScaled).
 
     The GRU's weights are this module's own parameters, initialised as nn.GRU does, and go to the
     GRU op as they are. The nn.GRU module would, on CUDA, copy its weights into one cuDNN buffer on
@@ -225,14 +240,16 @@ class PrismGates(nn.Module):
     buffer; captured in a CUDA graph, that copy runs again at every replay and writes the weights
     of the capture's time over the trained ones."""
 
-    def __init__(self, d_model: int, n_cursors: int, hidden: int = 100, fixed_input: bool = False):
+    def __init__(self, d_model: int, n_cursors: int, hidden: int = 100, fixed_input: bool = False,
+                 whh_scale: float = 0.0):
         super().__init__()
         self.n, self.hidden = n_cursors, hidden
         bound = hidden ** -0.5
         uniform = lambda *shape: nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))  # noqa: E731
         self.w_ih, self.w_hh = uniform(3 * hidden, d_model), uniform(3 * hidden, hidden)    # gates r, z, n
         self.b_ih, self.b_hh = uniform(3 * hidden), uniform(3 * hidden)
-        parametrize.register_parametrization(self, "w_hh", OrthogonalExp(3 * hidden))
+        parametrize.register_parametrization(self, "w_hh", FrobeniusScaled(hidden, whh_scale) if whh_scale > 0
+                                             else OrthogonalExp(3 * hidden))
         for p in (self.w_ih, self.b_ih, self.b_hh) if fixed_input else ():  # an ablation: the GRU reads the
             p.requires_grad_(False)                                        # stream through a fixed random map
         self.head = nn.Linear(hidden, 4 * n_cursors)
@@ -288,8 +305,11 @@ class PrismHooks(Hooks):
         self.P, self.d = int(o.get("prism_bins", 256)), int(o.get("prism_dim", 32))
         self.blocks = [int(b) for b in o.get("prism_blocks", [0])]
         n = 2 * self.H * self.O                                         # query and key cursors
-        fixed = bool(o.get("prism_fixed_gru_input", False))
-        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed) for _ in self.blocks)
+        fixed, scale = bool(o.get("prism_fixed_gru_input", False)), float(o.get("prism_whh_scale", 0.0))
+        if scale < 0:
+            raise ValueError(f"prism_whh_scale must be >= 0 (0: orthogonal W_hh), got {scale}")
+        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed, whh_scale=scale)
+                                   for _ in self.blocks)
         # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT
         self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
         self.copy = bool(o.get("prism_copy", False))
@@ -390,7 +410,9 @@ PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                         "prism_copy": "the copy branch, true | false (default false)",
                         "prism_alpha": "initial cursor scale alpha, float (default 8)",
                         "prism_fixed_gru_input": "ablation: the gate GRU's input weights and biases stay at their "
-                                                 "random initial values, true | false (default false)"})
+                                                 "random initial values, true | false (default false)",
+                        "prism_whh_scale": "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g starting "
+                                           "here, not orthogonal, float (default 0: orthogonal)"})
 
 
 # =============================================================================================

@@ -303,6 +303,23 @@ def test_fixed_gru_input_ablation_trains_everything_else():
         assert (moved & frozen) == (set() if fixed else frozen), moved
 
 
+def test_frobenius_scaled_whh_ablation():
+    """prism_whh_scale=g: W_hh's Frobenius norm is g sqrt(100) whatever V is; an AdamW step moves g
+    and V; a negative scale is refused."""
+    torch.manual_seed(0)
+    gates = PrismHooks(prism_cfg(prism_whh_scale=0.3)).gates[0]
+    assert gates.w_hh.norm().item() == pytest.approx(3.0, rel=1e-5)
+    par = gates.parametrizations.w_hh
+    g0, v0 = par[0].g.item(), par.original.detach().clone()
+    opt = torch.optim.AdamW(gates.parameters(), lr=1e-2)
+    sum(x.square().sum() for x in gates(torch.randn(2, 5, 32))).backward()
+    opt.step()
+    assert par[0].g.item() != g0 and not torch.equal(par.original, v0)
+    assert gates.w_hh.norm().item() == pytest.approx(10 * par[0].g.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="prism_whh_scale"):
+        PrismHooks(prism_cfg(prism_whh_scale=-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gates_leave_their_parameters_in_place_on_cuda():

@@ -241,7 +241,7 @@ class PrismGates(nn.Module):
     of the capture's time over the trained ones."""
 
     def __init__(self, d_model: int, n_cursors: int, hidden: int = 100, fixed_input: bool = False,
-                 whh_scale: float = 0.0):
+                 whh_scale: float = 0.0, count_bias: float = 0.0):
         super().__init__()
         self.n, self.hidden = n_cursors, hidden
         bound = hidden ** -0.5
@@ -253,6 +253,9 @@ class PrismGates(nn.Module):
         for p in (self.w_ih, self.b_ih, self.b_hh) if fixed_input else ():  # an ablation: the GRU reads the
             p.requires_grad_(False)                                        # stream through a fixed random map
         self.head = nn.Linear(hidden, 4 * n_cursors)
+        if count_bias:                   # an ablation: every cursor starts out counting tokens (reset rare,
+            with torch.no_grad():        # increment likely) instead of nn.Linear's random biases
+                self.head.bias.copy_(torch.tensor([-count_bias, count_bias, 0.0, 0.0]).repeat(n_cursors))
 
     def forward(self, h):
         """h: (B, T, d_model) -> p_reset, p_inc, p_dec, p_keep: (B, n_cursors, T) float32."""
@@ -306,9 +309,10 @@ class PrismHooks(Hooks):
         self.blocks = [int(b) for b in o.get("prism_blocks", [0])]
         n = 2 * self.H * self.O                                         # query and key cursors
         fixed, scale = bool(o.get("prism_fixed_gru_input", False)), float(o.get("prism_whh_scale", 0.0))
-        if scale < 0:
-            raise ValueError(f"prism_whh_scale must be >= 0 (0: orthogonal W_hh), got {scale}")
-        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed, whh_scale=scale)
+        count = float(o.get("prism_count_bias", 0.0))
+        if scale < 0 or count < 0:
+            raise ValueError(f"prism_whh_scale and prism_count_bias must be >= 0, got {scale} and {count}")
+        self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed, whh_scale=scale, count_bias=count)
                                    for _ in self.blocks)
         # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT
         self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
@@ -412,7 +416,9 @@ PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                         "prism_fixed_gru_input": "ablation: the gate GRU's input weights and biases stay at their "
                                                  "random initial values, true | false (default false)",
                         "prism_whh_scale": "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g starting "
-                                           "here, not orthogonal, float (default 0: orthogonal)"})
+                                           "here, not orthogonal, float (default 0: orthogonal)",
+                        "prism_count_bias": "ablation: the gate head's biases start at reset -b, increment +b, "
+                                            "so cursors start out counting, float b (default 0: random)"})
 
 
 # =============================================================================================

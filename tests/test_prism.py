@@ -320,6 +320,19 @@ def test_frobenius_scaled_whh_ablation():
         PrismHooks(prism_cfg(prism_whh_scale=-1))
 
 
+def test_count_bias_ablation_starts_cursors_counting():
+    """prism_count_bias=3: at initialisation every cursor resets rarely and mostly increments; with the
+    default random biases they reset about half the time."""
+    h = torch.randn(2, 7, 32)
+    for b, check in ((3.0, lambda r, inc: r.max() < 0.2 and inc.min() > 0.7),
+                     (0.0, lambda r, inc: 0.3 < r.mean() < 0.7 and inc.mean() < 0.5)):
+        torch.manual_seed(0)
+        p_reset, p_inc, _, _ = PrismHooks(prism_cfg(prism_count_bias=b)).gates[0](h)
+        assert check(p_reset, p_inc), (b, p_reset.mean().item(), p_inc.mean().item())
+    with pytest.raises(ValueError, match="prism_count_bias"):
+        PrismHooks(prism_cfg(prism_count_bias=-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gates_leave_their_parameters_in_place_on_cuda():

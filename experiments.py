@@ -236,9 +236,9 @@ def _prism_vs_ape(task: str) -> list[dict]:
 
 
 _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (prism_count_bias=1; the paper does "
-                    "not give this initialisation; chosen from 0, 1 and 3 on copy seeds 0-2 evaluated at the test "
-                    "lengths, then checked on seeds 3-8); prism-fixed-gru-input: the ablation with the gate GRU's "
-                    "input weights fixed at their random start and random gate biases")
+               "not give this initialisation; chosen from 0, 1 and 3 on copy seeds 0-2 evaluated at the test "
+               "lengths, then checked on seeds 3-8); prism-fixed-gru-input: the ablation with the gate GRU's "
+               "input weights fixed at their random start and random gate biases")
 
 
 # The UPE paper's BERT (its appendix B) without its layer count, which differs per experiment.

@@ -253,8 +253,8 @@ class PrismGates(nn.Module):
         for p in (self.w_ih, self.b_ih, self.b_hh) if fixed_input else ():  # an ablation: the GRU reads the
             p.requires_grad_(False)                                        # stream through a fixed random map
         self.head = nn.Linear(hidden, 4 * n_cursors)
-        if count_bias:                   # an ablation: every cursor starts out counting tokens (reset rare,
-            with torch.no_grad():        # increment likely) instead of nn.Linear's random biases
+        if count_bias:                   # every cursor starts out counting tokens (reset rare, increment
+            with torch.no_grad():        # likely) instead of nn.Linear's random biases; the paper gives neither
                 self.head.bias.copy_(torch.tensor([-count_bias, count_bias, 0.0, 0.0]).repeat(n_cursors))
 
     def forward(self, h):
@@ -417,8 +417,9 @@ PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                                                  "random initial values, true | false (default false)",
                         "prism_whh_scale": "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g starting "
                                            "here, not orthogonal, float (default 0: orthogonal)",
-                        "prism_count_bias": "ablation: the gate head's biases start at reset -b, increment +b, "
-                                            "so cursors start out counting, float b (default 0: random)"})
+                        "prism_count_bias": "the gate head's initial biases, reset -b and increment +b, so that "
+                                            "cursors start out counting (prism-copy and prism-add use 1), float b "
+                                            "(default 0: nn.Linear's random biases)"})
 
 
 # =============================================================================================

@@ -320,7 +320,7 @@ def test_frobenius_scaled_whh_ablation():
         PrismHooks(prism_cfg(prism_whh_scale=-1))
 
 
-def test_count_bias_ablation_starts_cursors_counting():
+def test_count_bias_starts_cursors_counting():
     """prism_count_bias=3: at initialisation every cursor resets rarely and mostly increments; with the
     default random biases they reset about half the time."""
     h = torch.randn(2, 7, 32)

@@ -310,8 +310,9 @@ class PrismHooks(Hooks):
         n = 2 * self.H * self.O                                         # query and key cursors
         fixed, scale = bool(o.get("prism_fixed_gru_input", False)), float(o.get("prism_whh_scale", 0.0))
         count = float(o.get("prism_count_bias", 0.0))
-        if scale < 0 or count < 0:
-            raise ValueError(f"prism_whh_scale and prism_count_bias must be >= 0, got {scale} and {count}")
+        for name, value in (("prism_whh_scale", scale), ("prism_count_bias", count)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {value}")
         self.gates = nn.ModuleList(PrismGates(cfg.d_model, n, fixed_input=fixed, whh_scale=scale, count_bias=count)
                                    for _ in self.blocks)
         # gamma = 1 + softplus(raw) > 1 (the paper's constraint), starting at GAMMA_INIT

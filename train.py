@@ -318,7 +318,8 @@ class Step:
         return first
 
     def release(self):
-        """Frees the graphs and their memory (the gradients live there too), for the evaluation."""
+        """Frees the graphs and their memory (the gradients live there too): after training and after
+        fine-tuning, before the final evaluation."""
         self.opt.zero_grad(set_to_none=True)
         self.graphs, self.buffers, self.pool = {}, {}, None
         if self.device.startswith("cuda"):

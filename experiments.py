@@ -222,13 +222,17 @@ def _vipe_experiment(task: str) -> Experiment:
         seeds=[0, 1, 2], select=("best_seed",))
 
 
+# PRISM's gate head starting with every cursor counting tokens (see _PRISM_RUNS).
+COUNT = {"prism_count_bias": 1.0}
+
+
 def _prism_vs_ape(task: str) -> list[dict]:
     """PRISM and its baseline, APE with a random position shift: 10k steps with the length curriculum,
     evaluations every 1000 steps (for the paper's rule, the mean of the top 3). PRISM's gate head
     starts with biases reset -1, increment +1 (prism_count_bias; the paper does not give this
     initialisation). Also PRISM with its gate GRU's input weights fixed at their random start and
     random gate biases (an ablation, not the paper's model)."""
-    return [dict(task=task, method="prism", opts={"prism_count_bias": 1.0}, curriculum=True, steps=10000,
+    return [dict(task=task, method="prism", opts=dict(COUNT), curriculum=True, steps=10000,
                  eval_every=1000),
             dict(task=task, method="prism", tag="fixed-gru-input", opts={"prism_fixed_gru_input": True},
                  curriculum=True, steps=10000, eval_every=1000),
@@ -312,21 +316,22 @@ EXPERIMENTS: dict[str, Experiment] = {
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
         runs=[dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
-                   steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True}),
+                   steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True, **COUNT}),
               dict(task="odds_first", method="prism", curriculum=True, n_layers=5,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
               dict(task="stack", method="prism", curriculum=True, n_layers=5,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512}),
-              dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5, opts={"prism_copy": True}),
+                   opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
+              dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5, opts={"prism_copy": True, **COUNT}),
               dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, steps=2000,
-                   opts={"prism_bins": 1280}),
-              dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True})],
+                   opts={"prism_bins": 1280, **COUNT}),
+              dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True, **COUNT})],
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
         scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; reverse "
                "evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
-               "recompute positions before blocks 1 and 4"),
+               "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
+               "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias)"),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises to 49-digit sums, with high fluctuations (UPE paper Fig. 2)",

@@ -218,7 +218,8 @@ def _vipe_experiment(task: str) -> Experiment:
                **{f"vipe-L{n}": ["≥ 0.85 (selection rule)", "high", "high (to ~2x)", "falls"] for n in (2, 3)}},
         scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps), "
                "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 3 seeds (the paper: best of 8 with "
-               "in-distribution accuracy >= 0.85); one task per experiment so that each fits in about ten minutes",
+               "in-distribution accuracy >= 0.85); one task per experiment so that each fits in about ten minutes; "
+               "ViPE-L2/L3 and NoPE-L3 at 16k steps: docs/results/vipe-budget",
         seeds=[0, 1, 2], select=("best_seed",))
 
 
@@ -310,7 +311,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
         paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 3 "
-               "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS,
+               "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS
+               + "; with the paper's 5 layers: docs/results/prism-add-depth",
         seeds=[0, 1, 2], select=("top3",)),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
@@ -344,7 +346,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="the paper's model (6 layers, d=768, 8 heads, dropout 0.1, AdamW lr 1e-4, weight decay 1e-4, "
                "batch 64) for 3k steps of fresh sums (192k samples; the paper: 100k samples); RPE clip 64; evaluated every "
                "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums); 2 seeds (the 768-wide "
-               "model's runs share one GPU)",
+               "model's runs share one GPU); RPE at 14k steps: docs/results/upe-add-budget",
         seeds=[0, 1], select=("held_out", (6, 8))),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "

@@ -233,7 +233,7 @@ def _prism_vs_ape(task: str) -> list[dict]:
     starts with biases reset -1, increment +1 (prism_count_bias; the paper does not give this
     initialisation). Also PRISM with its gate GRU's input weights fixed at their random start and
     random gate biases (an ablation, not the paper's model)."""
-    return [dict(task=task, method="prism", opts=dict(COUNT), curriculum=True, steps=10000,
+    return [dict(task=task, method="prism", opts={**COUNT}, curriculum=True, steps=10000,
                  eval_every=1000),
             dict(task=task, method="prism", tag="fixed-gru-input", opts={"prism_fixed_gru_input": True},
                  curriculum=True, steps=10000, eval_every=1000),
@@ -323,7 +323,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                    opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
               dict(task="stack", method="prism", curriculum=True, n_layers=5,
                    opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
-              dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5, opts={"prism_copy": True, **COUNT}),
+              dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5,
+                   opts={"prism_copy": True, **COUNT}),
               dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, steps=2000,
                    opts={"prism_bins": 1280, **COUNT}),
               dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True, **COUNT})],

@@ -119,6 +119,16 @@ def fake_seed(seed, train_exact, final, history):
             "history": [{"step": s, "eval": fake_rows(t), "held_out": fake_rows(h)} for s, t, h in history]}
 
 
+def write_seeds(out, seeds):
+    """The seeds' metrics as the run copy/rope under out, with its summary; returns out."""
+    for m in seeds:
+        path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(m))
+    cli.write_summary(out / "copy" / "rope")
+    return out
+
+
 def test_selection_rules_on_a_fake_history(tmp_path):
     """best_seed skips seeds below 0.85 in distribution; top-3 averages the three best evaluations;
     the held-out rule picks its checkpoint on the held-out examples, never on the test ones; and
@@ -131,12 +141,7 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     assert experiments.top_k_checkpoints(b, (10, 10), "exact") == pytest.approx(0.2)
     assert [r["exact"] for r in experiments.best_held_out(a, (10, 10))] == [1, 0.6, 0]   # step 2, not step 4
 
-    out = tmp_path / "runs"
-    for m in (a, b):
-        path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(m))
-    cli.write_summary(out / "copy" / "rope")
+    out = write_seeds(tmp_path / "runs", [a, b])
     cols = [("len 10", (10, 10), "exact")]
     rows = {}
     for select in (("best_seed",), ("top3",), ("held_out", (10, 10))):
@@ -157,12 +162,7 @@ def test_best_seed_says_when_no_seed_fits(tmp_path):
     a = fake_seed(0, 0.5, [0.6, 0.1, 0.0], [])
     b = fake_seed(1, 0.4, [0.5, 0.3, 0.0], [])
     assert not experiments.fits(a) and experiments.best_seed([a, b])["seed"] == 1
-    out = tmp_path / "runs"
-    for m in (a, b):
-        path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(m))
-    cli.write_summary(out / "copy" / "rope")
+    out = write_seeds(tmp_path / "runs", [a, b])
     exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")],
                                  columns=[("len 10", (10, 10), "exact")], paper={}, scaled="s", select=("best_seed",))
     row = experiments.experiment_table("x", exp, out).splitlines()[-1]

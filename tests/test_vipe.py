@@ -122,6 +122,21 @@ def test_u_zero_identities(s):
     assert torch.allclose(z[..., Dv:], want, atol=1e-12)
 
 
+def test_s_is_a_distance_compression_and_a_logit_factor():
+    """s acts twice, and a weight change undoes either half (docs/perf/vipe_s_halves.py rests on this):
+    W_p x s gives the code its s = 1 values, q / s cancels the factor s on the logits; both together
+    give s = 1 exactly, and either one alone does not."""
+    q, k, v, u, w_p, b_p = (x.detach() for x in make_inputs(2, 2, 13, 8, 7, 3))
+    s, Dv = 3.0, 7
+    one = vipe_attention_naive(q, k, v, u, w_p, b_p, s=1.0)
+    assert torch.allclose(vipe_attention_naive(q / s, k, v, u, s * w_p, b_p, s=s), one, atol=1e-12)
+    logit_only = vipe_attention_naive(q, k, v, u, s * w_p, b_p, s=s)          # distances as at s = 1
+    dist_only = vipe_attention_naive(q / s, k, v, u, w_p, b_p, s=s)           # logits as at s = 1
+    assert torch.allclose(dist_only[..., :Dv], one[..., :Dv], atol=1e-12)     # same weights, same values
+    assert not torch.allclose(dist_only[..., Dv:], one[..., Dv:], atol=1e-3)  # the code compressed
+    assert not torch.allclose(logit_only[..., :Dv], one[..., :Dv], atol=1e-3)  # sharper weights
+
+
 def test_backend_switch(monkeypatch):
     xs = [x.detach().float().to(DEV) for x in make_inputs(1, 2, 5, 8, 7, 2)]
     want = vipe_attention_naive(*xs)

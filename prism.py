@@ -419,7 +419,7 @@ PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
                         "prism_whh_scale": "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g starting "
                                            "here, not orthogonal, float (default 0: orthogonal)",
                         "prism_count_bias": "the gate head's initial biases, reset -b and increment +b, so that "
-                                            "cursors start out counting (prism-copy and prism-add use 1), float b "
+                                            "cursors start out counting (the prism-* experiments use 1), float b "
                                             "(default 0: nn.Linear's random biases)"})
 
 

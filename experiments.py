@@ -341,7 +341,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                "evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
-               "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias)"),
+               "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
+               "2x and 4x the steps: docs/results/prism-more-budget)"),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises to 49-digit sums, with high fluctuations (UPE paper Fig. 2)",
@@ -368,7 +369,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 6 layers for the 1-digit "
                "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
                "steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
-               "RPE clip 64, 3 uniform slots"),
+               "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget"),
 }
 
 

@@ -1,0 +1,65 @@
+"""Where does a trained mul_cot model go wrong beyond its training length?
+
+Teacher-forced, like `train.evaluate`: for each wrong example, the first wrong position, the
+token expected and the token predicted, and where that position sits in the chain of thought
+(which '+'-joined term, and how many `(e→0)` groups of that term come before it). A term copies
+the later digits of b one group at a time, so the first term of a 10-digit b has 9 groups while
+training (b up to 9 digits) shows at most 8.
+
+    python train.py --method prism --task mul_cot --curriculum --n-layers 5 --steps 2000 \\
+        --method-opt prism_bins=1280 --method-opt prism_count_bias=1 --out runs
+    python docs/perf/prism_mul_cot_errors.py runs/mul_cot/prism/seed0 8,9,10,11,12 256
+
+Run it from the repository root. Results: docs/perf/prism.md ("Where mul_cot goes wrong").
+"""
+import collections
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, ".")
+import cli  # noqa: E402
+import train  # noqa: E402
+from model import batch_context  # noqa: E402
+from tasks import IGNORE, TASKS  # noqa: E402
+
+run, lengths, n = Path(sys.argv[1]), [int(a) for a in sys.argv[2].split(",")], int(sys.argv[3])
+device = "cuda" if torch.cuda.is_available() else "cpu"
+m = json.loads((run / "metrics.json").read_text())
+cfg = cli.make_config({k: v for k, v in m["config"].items() if k != "model"} | m["config"]["model"],
+                      m["config"]["preset"])
+task = TASKS[cfg.task]
+cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
+model = train.build_model(cfg.model).to(device)
+model.load_state_dict(torch.load(run / "model.pt", map_location=device))
+model.eval()
+rng = np.random.default_rng(7)
+for L in lengths:
+    b = task.sample(n, L, rng)
+    with torch.no_grad(), train.autocast(device):
+        pred = model(b.x.to(device), batch_context(task, b, device, 1.0)).float().argmax(-1).cpu()   # (n, T)
+    wrong = (pred != b.y) & (b.y != IGNORE)                                                         # (n, T)
+    kinds, where, per_example = collections.Counter(), collections.Counter(), collections.Counter()
+    for i in range(n):
+        idx = torch.nonzero(wrong[i]).flatten()
+        per_example[min(len(idx), 5)] += 1                 # 5 = five or more
+        if len(idx) == 0:
+            continue
+        t = int(idx[0])
+        seq = task.decode(b.x[i][: t + 1])
+        out = "".join(seq[seq.index("=") + 1:])             # the chain of thought before the error
+        kinds[(task.vocab[int(b.y[i, t])], task.vocab[int(pred[i, t])])] += 1
+        if "[" not in out:
+            where[f"copying a, character {len(out)}"] += 1
+        else:
+            where[(out.count("+"), out.rsplit("+", 1)[-1].count("→0"))] += 1
+        if sum(kinds.values()) <= 3:
+            print("   e.g.", "".join(seq)[-60:], "| expected", task.vocab[int(b.y[i, t])],
+                  "predicted", task.vocab[int(pred[i, t])])
+    print(f"length {L}: {n} examples, exact {1 - wrong.any(1).float().mean():.3f}; "
+          f"wrong tokens per example {dict(sorted(per_example.items()))}")
+    print("  first error (expected, predicted):", kinds.most_common(8))
+    print("  first error at (term, zero groups before it in the term):", where.most_common(8))

@@ -21,19 +21,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, ".")
-import cli  # noqa: E402
 import train  # noqa: E402
-from model import batch_context  # noqa: E402
+from model import ModelConfig, batch_context  # noqa: E402
 from tasks import IGNORE, TASKS  # noqa: E402
 
 run, lengths, n = Path(sys.argv[1]), [int(a) for a in sys.argv[2].split(",")], int(sys.argv[3])
 device = "cuda" if torch.cuda.is_available() else "cpu"
-m = json.loads((run / "metrics.json").read_text())
-cfg = cli.make_config({k: v for k, v in m["config"].items() if k != "model"} | m["config"]["model"],
-                      m["config"]["preset"])
-task = TASKS[cfg.task]
-cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
-model = train.build_model(cfg.model).to(device)
+meta = json.loads((run / "metrics.json").read_text())
+task = TASKS[meta["task"]]
+model = train.build_model(ModelConfig(**meta["config"]["model"])).to(device)          # as prism.plot_run
 model.load_state_dict(torch.load(run / "model.pt", map_location=device))
 model.eval()
 rng = np.random.default_rng(7)

@@ -1,0 +1,153 @@
+"""Where PaTH's Triton forward + backward spends its time, kernel by kernel, and which launch
+settings are fastest at a given head dim.
+
+    python docs/perf/path_profile.py --D 128 --H 16                   # today's settings
+    python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
+
+For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
+the block length BL, the fused UT kernels' warps) it prints the median fwd+bwd time
+(triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
+registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position
+encoding) at the same shape is timed in the same process. Run it from the repository root; the
+results of each run go to docs/perf/path.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import kernels.path_attention as kp  # noqa: E402
+
+TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
+
+
+def inputs(B, H, T, D, dtype, gate, device="cuda"):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    w = F.normalize(torch.randn(B, H, T, D, device=device), dim=-1).requires_grad_(True)
+    beta = (2 * torch.rand(B, H, T, device=device)).requires_grad_(True)
+    g = F.logsigmoid(4 + torch.randn(B, H, T, device=device)).requires_grad_(True) if gate else None
+    return q, k, v, w, beta, g
+
+
+def step_fn(fn, args):
+    """fwd+bwd of fn(*args) with a fixed upstream gradient."""
+    out = fn(*args)
+    do = torch.randn_like(out)
+    leaves = [a for a in args if a is not None and a.requires_grad]
+
+    def step():
+        torch.autograd.grad(fn(*args), leaves, do)
+    return step
+
+
+def kernel_times(step, reps=5):
+    """CUDA milliseconds per call of step(), by kernel name (Triton kernels by their function name,
+    everything else summed as 'torch ops')."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for evt in prof.key_averages():
+        if "CUDA" not in str(getattr(evt, "device_type", "CUDA")):
+            continue
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = evt.cuda_time_total
+        if us <= 0:
+            continue
+        name = next((n for n in TRITON_KERNELS if evt.key == n or evt.key.startswith(n + "_")), "torch ops")
+        out[name] += us / 1e3 / reps
+    return dict(out)
+
+
+def resources():
+    """(registers, spilled registers) of every compiled variant of each Triton kernel, by name."""
+    res = {}
+    for name in TRITON_KERNELS:
+        fn = getattr(kp, name)
+        seen = []
+        for dev_cache in getattr(fn, "device_caches", {}).values():
+            for kernel in dev_cache[0].values():
+                try:
+                    kernel._init_handles()
+                    seen.append((kernel.metadata.num_warps, kernel.metadata.num_stages, kernel.n_regs,
+                                 kernel.n_spills))
+                except Exception as e:  # noqa: BLE001 - a probe; report and go on
+                    seen.append(repr(e)[:80])
+        if seen:
+            res[name] = seen
+    return res
+
+
+def main(argv=None) -> int:
+    import triton.testing
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--T", type=int, default=4096)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--gate", action="store_true", help="PaTH-FoX (a forget gate)")
+    p.add_argument("--sweep", default="", help="warps x stages of the attention kernels, e.g. 4x1,8x3 "
+                   "(default: the kernels' own settings)")
+    p.add_argument("--blocks", default="", help="block lengths BL to try (default: block_size(D))")
+    p.add_argument("--ut-warps", default="", help="warps of the fused UT kernels to try")
+    p.add_argument("--out", default="", help="append one JSON line per setting here")
+    a = p.parse_args(argv)
+    dtype = torch.bfloat16
+    args = inputs(a.B, a.H, a.T, a.D, dtype, a.gate)
+    q, k, v = args[:3]
+    sdpa = step_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v))
+    sdpa_ms = triton.testing.do_bench(sdpa, warmup=25, rep=100)
+    print(f"{torch.cuda.get_device_name()}  B={a.B} H={a.H} T={a.T} D={a.D} gate={a.gate}  "
+          f"SDPA fwd+bwd {sdpa_ms:.3f} ms", flush=True)
+    settings = [None] if not a.sweep else [tuple(int(x) for x in s.split("x")) for s in a.sweep.split(",")]
+    blocks = [None] if not a.blocks else [int(x) for x in a.blocks.split(",")]
+    ut_warps = [kp.UT_WARPS] if not a.ut_warps else [int(x) for x in a.ut_warps.split(",")]
+    default_launch = kp.launch
+    rows = []
+    for BL in blocks:
+        for uw in ut_warps:
+            for ws in settings:
+                kp.UT_WARPS = uw
+                kp.launch = default_launch if ws is None else (
+                    lambda name, D, ws=ws: dict(num_warps=ws[0], num_stages=ws[1]))
+                label = f"BL={BL or kp.block_size(a.D)} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
+                fn = lambda *x, BL=BL: kp.path_attention_triton(*x[:5], g=x[5], block=BL)  # noqa: E731
+                try:
+                    step = step_fn(fn, args)
+                    ms = triton.testing.do_bench(step, warmup=25, rep=200)
+                    per = kernel_times(step)
+                except Exception as e:  # noqa: BLE001 - a setting that fails to compile or launch
+                    print(f"{label}: failed: {repr(e)[:200]}", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                row = dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per)
+                rows.append(row)
+                print(f"{label}: {ms:8.3f} ms = {ms / sdpa_ms:5.2f}x SDPA | "
+                      + "  ".join(f"{n} {t:.2f}" for n, t in sorted(per.items(), key=lambda x: -x[1])), flush=True)
+                if a.out:
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps(dict(row, sdpa_ms=sdpa_ms, shape=vars(a))) + "\n")
+    kp.launch, kp.UT_WARPS = default_launch, ut_warps[0]
+    print("registers, spills (warps, stages, regs, spills) per compiled variant:")
+    for name, seen in resources().items():
+        print(f"  {name:10s} {seen}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

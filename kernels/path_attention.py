@@ -54,22 +54,24 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): the kernels keep logits in base 2
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf/path.md)
-# Warps and pipeline stages of the attention kernels at D = 64, each the fastest measured
-# (docs/perf/path.md): one stage for _fwd and _bwd_dq, except their loop over a chunk's key tiles
-# (`tl.range`, 3 stages) and _bwd_dq's loop over the earlier blocks of its chunk (2 stages).
-# Other head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs
-# for fp16/bf16 inputs on Triton 3.6.
-LAUNCH = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
-              dkv=dict(num_warps=4, num_stages=3))
+# Warps and pipeline stages per kernel and head dim, each the fastest measured (docs/perf/path.md).
+# At D = 64 and 128: one stage for _fwd and _bwd_dq, except their loop over a chunk's key tiles
+# (`tl.range`, 3 stages) and _bwd_dq's loop over the earlier blocks of its chunk (2 stages). Other
+# head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs for
+# fp16/bf16 inputs on Triton 3.6.
+_ATTN = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
+             dkv=dict(num_warps=4, num_stages=3))
+LAUNCH = {64: _ATTN, 128: dict(_ATTN, chunk=dict(num_warps=8, num_stages=1))}
 
 
 def launch(name: str, D: int) -> dict:
-    return LAUNCH[name] if D == 64 else dict(num_warps=4, num_stages=3)
+    return LAUNCH.get(D, {}).get(name, dict(num_warps=4, num_stages=3))
 
 
 # Blocks per key tile where a query state scores a whole chunk (_fwd, _bwd_dq): 128 keys at BL = 64
-# measured faster than 64 (docs/perf/path.md)
+# measured faster than 64 (docs/perf/path.md); and the pipeline stages of that loop over key tiles
 KEY_TILE = 2
+KEY_STAGES = 3
 
 
 def key_tile(BL: int, R: int) -> int:
@@ -116,7 +118,7 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 @triton.jit
 def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
-         HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+         KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
@@ -161,7 +163,7 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         if b > 0:                                          # the next state, while this one scores
             pl = _square(PL, bh * n_chunks + b, rd, D)
             q = tl.dot(q, pl, input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=3):   # the chunk's keys, KB at a time
+        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
@@ -189,7 +191,7 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 @triton.jit
 def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
-            R: tl.constexpr, KB: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
+            R: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
             PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
@@ -220,7 +222,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
         qs = tl.load(QL + at)
         pl = _square(PL, bh * n_chunks + b, rd, D)
         x = tl.dot(x, tl.trans(pl), input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=3):   # the chunk's keys, KB at a time
+        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
@@ -516,67 +518,83 @@ def chunk_products(kh, mb, BL: int, R: int):
 
 
 @triton.jit
-def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, BL: tl.constexpr, R: tl.constexpr,
-               PREC: tl.constexpr):
-    """One chunk, its blocks right to left: S = P_{R-1} ... P_{r+1} (D x D, float32) carries the
-    keys of block r to the chunk's end, kL_r = kh_r S^T; then S <- S P_r = S - S M_r. S is kept
-    per block for the backward; PL = S at the end."""
-    b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rc, rd = tl.arange(0, BL), tl.arange(0, D)
+def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+               R: tl.constexpr, PREC: tl.constexpr):
+    """One chunk and one panel of DP rows of the suffix product S, its blocks right to left:
+    S = P_{R-1} ... P_{r+1} (D x D, float32) carries the keys of block r to the chunk's end,
+    kL_r = kh_r S^T; then S <- S P_r = S - S M_r. Each row of S evolves on its own, so a program
+    holds DP rows (DP x D) and writes the DP columns of kL that they give. S is kept per block for
+    the backward; PL = S at the end."""
+    b, bh, p = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    rc, rd, rp = tl.arange(0, BL), tl.arange(0, D), p * DP + tl.arange(0, DP)
     dd = rd[:, None] * D + rd[None, :]
-    s = tl.where(rd[:, None] == rd[None, :], 1.0, 0.0)                    # (D, D)
+    pd = rp[:, None] * D + rd[None, :]                                    # this panel's rows of a D x D
+    s = tl.where(rp[:, None] == rd[None, :], 1.0, 0.0)                    # (DP, D)
     for t in range(0, R):
         m = b * R + R - 1 - t
         if m < n_blocks:                                                  # the last chunk may be short
-            cd = (bh * T + m * BL + rc)[:, None] * D + rd[None, :]
-            tl.store(SUF + (bh * n_blocks + m) * D * D + dd, s)
-            kh = tl.load(KH + cd).to(tl.float32)
-            tl.store(KL + cd, tl.dot(kh, tl.trans(s), input_precision=PREC).to(KL.dtype.element_ty))
+            row = bh * T + m * BL + rc
+            tl.store(SUF + (bh * n_blocks + m) * D * D + pd, s)
+            kh = tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float32)
+            kl = tl.dot(kh, tl.trans(s), input_precision=PREC)                           # (BL, DP)
+            tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
             s = s - tl.dot(s, tl.load(MB + (bh * n_blocks + m) * D * D + dd), input_precision=PREC)
-    tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + dd, s)
+    tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + pd, s)
 
 
 @triton.jit
-def _chunk_bwd(MB, SUF, DSK, DPL, DMA, DMO, n_blocks, D: tl.constexpr, R: tl.constexpr, PREC: tl.constexpr):
-    """The backward of `_chunk_fwd`, blocks left to right with dS, the gradient of S after block r:
-    dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T + dkL_r^T kh_r. dS starts as dPL, the sum of
-    the shares in DPL that the chunk's R blocks hold. `_bwd_dkv` has done the rest, which needs one
-    block only: dkL_r^T kh_r (DSK) and dkh_r += dkL_r S_r. The attention kernels' own dM_r (DMA,
-    = -dP_r) is added on the way; dM goes to DMO."""
+def _chunk_bwd(MB, SUF, DSK, DPL, DMA, DMO, n_blocks, D: tl.constexpr, DP: tl.constexpr, p, R: tl.constexpr,
+               PREC: tl.constexpr):
+    """The backward of `_chunk_fwd` for the panel of DP rows from p * DP, blocks left to right with
+    dS, the gradient of S after block r: dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T +
+    dkL_r^T kh_r. The rows of dS evolve on their own as the rows of S do; dM_r sums over the panels,
+    so the panels run one launch after another, each adding its term to DMA (the attention
+    kernels' own dM_r = -dP_r before the first) and writing DMO. dS starts as dPL, the sum of the
+    shares in DPL that the chunk's R blocks hold. `_bwd_dkv` has done the rest, which needs one
+    block only: dkL_r^T kh_r (DSK) and dkh_r += dkL_r S_r."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rd = tl.arange(0, D)
+    rd, rp = tl.arange(0, D), p * DP + tl.arange(0, DP)
     dd = rd[:, None] * D + rd[None, :]
-    ds = tl.zeros([D, D], dtype=tl.float32)                                  # (D, D)
+    pd = rp[:, None] * D + rd[None, :]
+    ds = tl.zeros([DP, D], dtype=tl.float32)                                 # (DP, D)
     for r in range(0, R):
         if b * R + r < n_blocks:
-            ds += tl.load(DPL + (bh * n_blocks + b * R + r) * D * D + dd)
+            ds += tl.load(DPL + (bh * n_blocks + b * R + r) * D * D + pd)
     for r in range(0, R):
         m = b * R + r
         if m < n_blocks:
-            at = (bh * n_blocks + m) * D * D + dd
-            s, mb = tl.load(SUF + at), tl.load(MB + at)
-            tl.store(DMO + at, tl.load(DMA + at) - tl.dot(tl.trans(s), ds, input_precision=PREC))
-            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC) + tl.load(DSK + at)
+            at = (bh * n_blocks + m) * D * D
+            s, mb = tl.load(SUF + at + pd), tl.load(MB + at + dd)
+            tl.store(DMO + at + dd, tl.load(DMA + at + dd) - tl.dot(tl.trans(s), ds, input_precision=PREC))
+            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC) + tl.load(DSK + at + pd)
 
 
 def chunk_kernels_apply(D: int, dtype) -> bool:
     """Whether `chunk_products_fwd` / `_bwd` (Triton, TF32) build the chunk products: fp16/bf16 inputs
-    with D = 32 or 64. At D = 128 their D x D tiles need 376,832 bytes of shared memory, more than an
-    H100 has (232,448); float32 inputs keep the exact `chunk_products`; D = 16 keeps it too."""
-    return dtype != torch.float32 and D in (32, 64)
+    with D = 32, 64 or 128. Float32 inputs keep the exact `chunk_products`; D = 16 keeps it too."""
+    return dtype != torch.float32 and D in (32, 64, 128)
+
+
+def chunk_panel(D: int) -> int:
+    """Rows of the suffix product per program of the chunk kernels: all of them up to D = 64; at
+    D = 128 a whole D x D float32 product needs more shared memory than an H100 has (376,832 bytes
+    against 232,448), so two panels of 64 rows."""
+    return min(D, 64)
 
 
 def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32):
-    """`chunk_products` in Triton, one program per chunk: kL (in kl_dtype), PL and the suffix
-    products S per block (BH, n, D, D), kept for the backward. kh: (BH, T, D) float32 or 16 bits,
-    mb: float32."""
+    """`chunk_products` in Triton, one program per chunk and panel of rows: kL (in kl_dtype), PL and
+    the suffix products S per block (BH, n, D, D), kept for the backward. kh: (BH, T, D) float32 or
+    16 bits, mb: float32."""
     BH, T, D = kh.shape
     n = T // BL
     n_chunks = -(-n // R)
+    DP = chunk_panel(D)
     f32 = dict(device=kh.device, dtype=torch.float32)
     kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
     suf = torch.empty(BH, n, D, D, **f32)
-    _chunk_fwd[(n_chunks, BH)](kh, mb, kl, pl, suf, T, n, D=D, BL=BL, R=R, PREC="tf32")
+    _chunk_fwd[(n_chunks, BH, D // DP)](kh, mb, kl, pl, suf, T, n, D=D, DP=DP, BL=BL, R=R, PREC="tf32",
+                                        **launch("chunk", D))
     return kl, pl, suf
 
 
@@ -586,8 +604,11 @@ def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
     summed here), and dmb, the attention kernels' own dM, to which the chunk's is added. kh's
     gradient, dkL S, needs no chunk: `_bwd_dkv` adds it."""
     BH, n, D, _ = mb.shape
+    DP = chunk_panel(D)
     dmo = torch.empty_like(mb)
-    _chunk_bwd[(-(-n // R), BH)](mb, suf, dsk, dpl, dmb, dmo, n, D=D, R=R, PREC="tf32")
+    for p in range(D // DP):                     # the panels' terms of dM add up: one launch each
+        _chunk_bwd[(-(-n // R), BH)](mb, suf, dsk, dpl, dmb if p == 0 else dmo, dmo, n, D=D, DP=DP, p=p, R=R,
+                                     PREC="tf32", **launch("chunk", D))
     return dmo
 
 
@@ -628,8 +649,8 @@ class PathScan(torch.autograd.Function):
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
-                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R), HAS_G=has_g,
-                      SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
+                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R),
+                      KS=KEY_STAGES, HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
@@ -656,7 +677,8 @@ class PathScan(torch.autograd.Function):
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
-                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale, KB=key_tile(BL, R),
+                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
+                         KB=key_tile(BL, R), KS=KEY_STAGES,
                          **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,

@@ -185,14 +185,19 @@ def test_fused_ut_preprocessing_matches_ut_blocks(T, D, BL, dtype, tol):
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 
 
-@pytest.mark.parametrize("T,D,BL,R", [(64, 16, 16, 2), (112, 16, 16, 3), (48, 32, 16, 8), (64, 16, 16, 1)])
-def test_chunk_product_kernels_match_chunk_products(T, D, BL, R):
+@pytest.mark.parametrize("T,D,BL,R,panel", [(64, 16, 16, 2, 16), (112, 16, 16, 3, 16), (48, 32, 16, 8, 32),
+                                             (64, 16, 16, 1, 16), (48, 32, 16, 8, 16), (112, 32, 16, 3, 16)])
+def test_chunk_product_kernels_match_chunk_products(T, D, BL, R, panel, monkeypatch):
     """kernels.path_attention.chunk_products_fwd / _bwd against autograd through chunk_products in
     float64: kL, PL and the gradients of kh and M (P = I - M per block), with a short last chunk
     (T = 112, R = 3) and one block per chunk. The backward takes dkL as dkL^T kh per block (kh's own
     gradient, dkL S with the suffix products S that the forward returns, is left to the attention
-    kernel), dPL as one share per block, which it sums per chunk, and the attention kernels' dM."""
+    kernel), dPL as one share per block, which it sums per chunk, and the attention kernels' dM.
+    `panel` rows of S per program: below D, the panels of D = 128 (two of 64 rows) at a size the
+    interpreter runs in seconds."""
+    import kernels.path_attention as kp
     from kernels.path_attention import chunk_products, chunk_products_bwd, chunk_products_fwd
+    monkeypatch.setattr(kp, "chunk_panel", lambda D: panel)
     gen = torch.Generator().manual_seed(T + R)
     kh = torch.randn(3, T, D, generator=gen)
     n = T // BL
@@ -231,10 +236,11 @@ def test_triton_gpu_default_blocks(T, D, dtype, tol, gate):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_triton_gpu_chunk_level(D, dtype, tol):
-    """T = 1100 with the default blocks: 2 full chunks and a partial one, so the chunk level runs."""
+    """T = 1100 with the default blocks: full chunks and a partial one, so the chunk level runs
+    (2 chunks of 512 tokens at D <= 64, 4 of 256 at D = 128)."""
     xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D)
     do = torch.randn(1, 2, 1100, D, device="cuda")
     check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)

@@ -105,43 +105,51 @@ def main(argv=None) -> int:
                    "(default: the kernels' own settings)")
     p.add_argument("--blocks", default="", help="block lengths BL to try (default: block_size(D))")
     p.add_argument("--ut-warps", default="", help="warps of the fused UT kernels to try")
+    p.add_argument("--chunk", default="", help="warps x stages of the chunk-product kernels to try")
+    p.add_argument("--key-tile", type=int, default=None, help="kernels.path_attention.KEY_TILE")
+    p.add_argument("--key-stages", type=int, default=None, help="kernels.path_attention.KEY_STAGES")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
+    kp.KEY_TILE = kp.KEY_TILE if a.key_tile is None else a.key_tile
+    kp.KEY_STAGES = kp.KEY_STAGES if a.key_stages is None else a.key_stages
     args = inputs(a.B, a.H, a.T, a.D, dtype, a.gate)
     q, k, v = args[:3]
     sdpa = step_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v))
     sdpa_ms = triton.testing.do_bench(sdpa, warmup=25, rep=100)
-    print(f"{torch.cuda.get_device_name()}  B={a.B} H={a.H} T={a.T} D={a.D} gate={a.gate}  "
+    print(f"{torch.cuda.get_device_name()}  B={a.B} H={a.H} T={a.T} D={a.D} gate={a.gate} "
+          f"KEY_TILE={kp.KEY_TILE} KEY_STAGES={kp.KEY_STAGES}  "
           f"SDPA fwd+bwd {sdpa_ms:.3f} ms", flush=True)
-    settings = [None] if not a.sweep else [tuple(int(x) for x in s.split("x")) for s in a.sweep.split(",")]
+    attn = [None] if not a.sweep else [tuple(int(x) for x in s.split("x")) for s in a.sweep.split(",")]
     blocks = [None] if not a.blocks else [int(x) for x in a.blocks.split(",")]
     ut_warps = [kp.UT_WARPS] if not a.ut_warps else [int(x) for x in a.ut_warps.split(",")]
+    chunk = [None] if not a.chunk else [tuple(int(x) for x in s.split("x")) for s in a.chunk.split(",")]
     default_launch = kp.launch
-    rows = []
-    for BL in blocks:
-        for uw in ut_warps:
-            for ws in settings:
-                kp.UT_WARPS = uw
-                kp.launch = default_launch if ws is None else (
-                    lambda name, D, ws=ws: dict(num_warps=ws[0], num_stages=ws[1]))
-                label = f"BL={BL or kp.block_size(a.D)} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
-                fn = lambda *x, BL=BL: kp.path_attention_triton(*x[:5], g=x[5], block=BL)  # noqa: E731
-                try:
-                    step = step_fn(fn, args)
-                    ms = triton.testing.do_bench(step, warmup=25, rep=200)
-                    per = kernel_times(step)
-                except Exception as e:  # noqa: BLE001 - a setting that fails to compile or launch
-                    print(f"{label}: failed: {repr(e)[:200]}", flush=True)
-                    torch.cuda.empty_cache()
-                    continue
-                row = dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per)
-                rows.append(row)
-                print(f"{label}: {ms:8.3f} ms = {ms / sdpa_ms:5.2f}x SDPA | "
-                      + "  ".join(f"{n} {t:.2f}" for n, t in sorted(per.items(), key=lambda x: -x[1])), flush=True)
-                if a.out:
-                    with open(a.out, "a") as f:
-                        f.write(json.dumps(dict(row, sdpa_ms=sdpa_ms, shape=vars(a))) + "\n")
+    for BL, uw, ws, cs in [(BL, uw, ws, cs) for BL in blocks for uw in ut_warps for ws in attn for cs in chunk]:
+        def patched(name, D, ws=ws, cs=cs):
+            if ws is not None and name in ("fwd", "dq", "dkv"):
+                return dict(num_warps=ws[0], num_stages=ws[1])
+            if cs is not None and name == "chunk":
+                return dict(num_warps=cs[0], num_stages=cs[1])
+            return default_launch(name, D)
+        kp.launch, kp.UT_WARPS = patched, uw
+        label = (f"BL={BL or kp.block_size(a.D)} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
+                 f" chunk={'default' if cs is None else '%dx%d' % cs}")
+        fn = lambda *x, BL=BL: kp.path_attention_triton(*x[:5], g=x[5], block=BL)  # noqa: E731
+        try:
+            step = step_fn(fn, args)
+            ms = triton.testing.do_bench(step, warmup=25, rep=200)
+            per = kernel_times(step)
+        except Exception as e:  # noqa: BLE001 - a setting that fails to compile or launch
+            print(f"{label}: failed: {repr(e)[:200]}", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        print(f"{label}: {ms:8.3f} ms = {ms / sdpa_ms:5.2f}x SDPA | "
+              + "  ".join(f"{n} {t:.2f}" for n, t in sorted(per.items(), key=lambda x: -x[1])), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
+                                        shape=vars(a))) + "\n")
     kp.launch, kp.UT_WARPS = default_launch, ut_warps[0]
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():

@@ -72,6 +72,8 @@ def launch(name: str, D: int) -> dict:
 # measured faster than 64 (docs/perf/path.md); and the pipeline stages of that loop over key tiles
 KEY_TILE = 2
 KEY_STAGES = 3
+# Pipeline stages of _bwd_dq's loop over the earlier blocks of its chunk
+INTRA_STAGES = 2
 
 
 def key_tile(BL: int, R: int) -> int:
@@ -191,7 +193,8 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 @triton.jit
 def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
-            R: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr,
+            R: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, IS: tl.constexpr, HAS_G: tl.constexpr,
+            PREC: tl.constexpr,
             PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
@@ -230,7 +233,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
             x += scale * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
     # the earlier blocks of this chunk, left to right
     first = bh * n_intra + _intra(i, R)
-    for m in tl.range(a * R, i, num_stages=2):
+    for m in tl.range(a * R, i, num_stages=IS):
         col = bh * T + m * BL + rc
         at = (first + i - 1 - m) * BL * D + tile
         tl.store(XS + at, x.to(XS.dtype.element_ty))
@@ -678,7 +681,7 @@ class PathScan(torch.autograd.Function):
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
-                         KB=key_tile(BL, R), KS=KEY_STAGES,
+                         KB=key_tile(BL, R), KS=KEY_STAGES, IS=INTRA_STAGES,
                          **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,

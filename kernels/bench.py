@@ -2,6 +2,7 @@
 
     python kernels/bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
     python kernels/bench.py --op path --lengths 512,1024,2048
+    python kernels/bench.py --op path --lengths 4096 --heads 16 --head-dim 128 --gate   # PaTH-FoX, D = 128
     python kernels/bench.py --op train      # train.py's steps/s on the headline presets
 
 For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
@@ -67,8 +68,8 @@ def measure(fn, backward: bool):
     return ms, peak
 
 
-def path_cases(B, H, T, D, dtype):
-    """The callables compared for PaTH at one shape; each carries its .inputs."""
+def path_cases(B, H, T, D, dtype, gate=False):
+    """The callables compared for PaTH at one shape (PaTH-FoX with gate); each carries its .inputs."""
     import path_attention as pa
     from kernels.path_attention import path_attention_triton
 
@@ -76,21 +77,23 @@ def path_cases(B, H, T, D, dtype):
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
     w = F.normalize(torch.randn(B, H, T, D, device=dev), dim=-1).requires_grad_(True)
     beta = (2 * torch.rand(B, H, T, device=dev)).requires_grad_(True)
+    g = F.logsigmoid(4 + torch.randn(B, H, T, device=dev)).requires_grad_(True) if gate else None
+    name = "PaTH-FoX" if gate else "PaTH"
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def triton_path():
-        return path_attention_triton(q, k, v, w, beta)
+        return path_attention_triton(q, k, v, w, beta, g)
 
     def torch_path():
-        return pa.path_attention_torch(q, k, v, w, beta, block=64)
+        return pa.path_attention_torch(q, k, v, w, beta, g, block=64)
 
     sdpa.inputs = [q, k, v]
-    triton_path.inputs = torch_path.inputs = [q, k, v, w, beta]
-    cases = {"SDPA (no PE)": sdpa, "PaTH Triton": triton_path}
+    triton_path.inputs = torch_path.inputs = [q, k, v, w, beta] + ([g] if gate else [])
+    cases = {"SDPA (no PE)": sdpa, f"{name} Triton": triton_path}
     if T <= 2048:  # the PyTorch path builds (T, T) logits; beyond this it only measures memory limits
-        cases["PaTH PyTorch (UT)"] = torch_path
+        cases[f"{name} PyTorch (UT)"] = torch_path
     return cases
 
 
@@ -191,6 +194,8 @@ OPS = {
 
 def run_op(name, spec, lengths, dtype, out_dir: Path):
     B, H, D = spec["B"], spec["H"], spec["D"]
+    if spec.get("gate"):
+        spec = dict(spec, cases=lambda *shape: path_cases(*shape, gate=True))
     rows = []
     for T in lengths:
         for label, fn in spec["cases"](B, H, T, D, dtype).items():
@@ -348,6 +353,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="--op train: steps per run")
     parser.add_argument("--lengths", default=None, help="comma-separated T values (default: per op)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--heads", type=int, default=None, help="H (default: per op)")
+    parser.add_argument("--head-dim", type=int, default=None, help="D (default: per op)")
+    parser.add_argument("--gate", action="store_true", help="--op path: PaTH-FoX (with the forget gate)")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -361,9 +369,15 @@ def main(argv=None) -> int:
         if name not in OPS:
             print(f"unknown op {name!r}; available: {', '.join(OPS)}, all", file=sys.stderr)
             return 2
+    if args.gate and names != ["path"]:
+        print("--gate applies to --op path only", file=sys.stderr)
+        return 2
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
     for name in names:
-        run_op(name, OPS[name], lengths or OPS[name]["lengths"], getattr(torch, args.dtype), Path(args.out))
+        spec = dict(OPS[name], gate=args.gate)
+        spec["H"], spec["D"] = args.heads or spec["H"], args.head_dim or spec["D"]
+        shape = f"_H{spec['H']}_D{spec['D']}" if (args.heads or args.head_dim) else ""
+        run_op(name + shape + ("_fox" if args.gate else ""), spec, lengths or spec["lengths"], getattr(torch, args.dtype), Path(args.out))
     return 0
 
 

@@ -54,31 +54,28 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): the kernels keep logits in base 2
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf/path.md)
-# Warps and pipeline stages per kernel and head dim, each the fastest measured (docs/perf/path.md).
-# At D = 64 and 128: one stage for _fwd and _bwd_dq, except their loop over a chunk's key tiles
-# (`tl.range`, 3 stages) and _bwd_dq's loop over the earlier blocks of its chunk (2 stages). Other
-# head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs for
-# fp16/bf16 inputs on Triton 3.6.
-_ATTN = dict(fwd=dict(num_warps=4, num_stages=1), dq=dict(num_warps=4, num_stages=1),
-             dkv=dict(num_warps=4, num_stages=3))
-LAUNCH = {64: _ATTN, 128: dict(_ATTN, chunk=dict(num_warps=8, num_stages=1))}
+# Launch settings per head dim and kernel, each the fastest measured (docs/perf/path.md): warps,
+# pipeline stages, and for _fwd and _bwd_dq the stages of their loop over a chunk's key tiles (KS)
+# and of _bwd_dq's loop over the earlier blocks of its chunk (IS). D = 128 takes one stage less in
+# both loops: at BL = 64 their D x D float32 tiles need more shared memory than an H100 has.
+# Other head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs
+# for fp16/bf16 inputs on Triton 3.6. 8 warps at D = 128 hit an illegal memory access (Triton 3.6).
+_DEFAULT = dict(num_warps=4, num_stages=3)
+LAUNCH = {64: dict(fwd=dict(num_warps=4, num_stages=1, KS=3), dq=dict(num_warps=4, num_stages=1, KS=3, IS=2),
+                   dkv=_DEFAULT),
+          128: dict(fwd=dict(num_warps=4, num_stages=1, KS=2), dq=dict(num_warps=4, num_stages=1, KS=2, IS=1),
+                    dkv=_DEFAULT, chunk=dict(num_warps=8, num_stages=1))}
 
 
 def launch(name: str, D: int) -> dict:
-    return LAUNCH.get(D, {}).get(name, dict(num_warps=4, num_stages=3))
+    loops = dict(fwd=dict(KS=3), dq=dict(KS=3, IS=2)).get(name, {})   # the other head dims
+    return LAUNCH.get(D, {}).get(name, _DEFAULT | loops)
 
 
-# Blocks per key tile where a query state scores a whole chunk (_fwd, _bwd_dq): 128 keys at BL = 64
-# measured faster than 64 (docs/perf/path.md); and the pipeline stages of that loop over key tiles
-KEY_TILE = 2
-KEY_STAGES = 3
-# Pipeline stages of _bwd_dq's loop over the earlier blocks of its chunk
-INTRA_STAGES = 2
-
-
-def key_tile(BL: int, R: int) -> int:
-    """Keys per tile at the chunk level: KEY_TILE blocks when they divide the chunk, else one."""
-    return BL * KEY_TILE if R % KEY_TILE == 0 else BL
+def key_tile(BL: int, R: int, D: int) -> int:
+    """Keys per tile where a query state scores a whole chunk (_fwd, _bwd_dq): two blocks (128 keys
+    at BL = 64, measured faster than 64) when they divide the chunk and D <= 64, else one."""
+    return 2 * BL if R % 2 == 0 and D <= 64 else BL
 
 
 @triton.jit
@@ -616,8 +613,8 @@ def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
 
 
 def block_size(D: int) -> int:
-    """Block length BL: 64 keeps the fp32 accumulators of the backward in registers up to D = 64."""
-    return 64 if D <= 64 else 32
+    """Block length BL: 64 at every head dim (at D = 128, 32 measured slower: docs/perf/path.md)."""
+    return 64
 
 
 class PathScan(torch.autograd.Function):
@@ -652,8 +649,8 @@ class PathScan(torch.autograd.Function):
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
-                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R),
-                      KS=KEY_STAGES, HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
+                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
+                      HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse)
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
@@ -681,7 +678,7 @@ class PathScan(torch.autograd.Function):
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
                          dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
-                         KB=key_tile(BL, R), KS=KEY_STAGES, IS=INTRA_STAGES,
+                         KB=key_tile(BL, R, D),
                          **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,

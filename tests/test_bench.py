@@ -21,6 +21,23 @@ def test_every_case_runs(op, monkeypatch):
         assert torch.isfinite(out).all() and any(g is not None for g in grads), name
 
 
+def test_path_fox_case_trains_the_gate(monkeypatch):
+    """--gate: the PaTH cases take the forget gate g, and g gets a gradient (it changes the output)."""
+    monkeypatch.setattr(bench, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    cases = bench.path_cases(2, 2, 16, 16, torch.float32, gate=True)
+    assert set(cases) == {"SDPA (no PE)", "PaTH-FoX Triton", "PaTH-FoX PyTorch (UT)"}
+    fn = cases["PaTH-FoX Triton"]
+    g = fn.inputs[-1]
+    assert g.shape == (2, 2, 16)
+    (grad,) = torch.autograd.grad(fn().float().sum(), [g])
+    assert grad.abs().max() > 0
+
+
+def test_gate_needs_the_path_op(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--op", "vipe", "--gate"]) == 2 and "--op path only" in capsys.readouterr().err
+
+
 def test_bench_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # the message a CPU-only machine gets
     assert bench.main([]) == 2 and "no CUDA device" in capsys.readouterr().err

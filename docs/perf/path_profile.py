@@ -105,40 +105,36 @@ def main(argv=None) -> int:
                    "(default: the kernels' own settings)")
     p.add_argument("--blocks", default="", help="block lengths BL to try (default: block_size(D))")
     p.add_argument("--ut-warps", default="", help="warps of the fused UT kernels to try")
+    p.add_argument("--dkv", default="", help="warps x stages of _bwd_dkv alone to try")
     p.add_argument("--chunk", default="", help="warps x stages of the chunk-product kernels to try")
-    p.add_argument("--key-tile", type=int, default=None, help="kernels.path_attention.KEY_TILE")
-    p.add_argument("--key-stages", type=int, default=None, help="kernels.path_attention.KEY_STAGES")
-    p.add_argument("--intra-stages", type=int, default=None, help="kernels.path_attention.INTRA_STAGES")
     p.add_argument("--chunks", default="", help="blocks per chunk R to try (default: CHUNK)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
-    kp.KEY_TILE = kp.KEY_TILE if a.key_tile is None else a.key_tile
-    kp.KEY_STAGES = kp.KEY_STAGES if a.key_stages is None else a.key_stages
-    kp.INTRA_STAGES = kp.INTRA_STAGES if a.intra_stages is None else a.intra_stages
     args = inputs(a.B, a.H, a.T, a.D, dtype, a.gate)
     q, k, v = args[:3]
     sdpa = step_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v))
     sdpa_ms = triton.testing.do_bench(sdpa, warmup=25, rep=100)
-    print(f"{torch.cuda.get_device_name()}  B={a.B} H={a.H} T={a.T} D={a.D} gate={a.gate} "
-          f"KEY_TILE={kp.KEY_TILE} KEY_STAGES={kp.KEY_STAGES} INTRA_STAGES={kp.INTRA_STAGES}  "
+    print(f"{torch.cuda.get_device_name()}  B={a.B} H={a.H} T={a.T} D={a.D} gate={a.gate}  "
           f"SDPA fwd+bwd {sdpa_ms:.3f} ms", flush=True)
     attn = [None] if not a.sweep else [tuple(int(x) for x in s.split("x")) for s in a.sweep.split(",")]
     blocks = [None] if not a.blocks else [int(x) for x in a.blocks.split(",")]
     ut_warps = [kp.UT_WARPS] if not a.ut_warps else [int(x) for x in a.ut_warps.split(",")]
+    dkv = [None] if not a.dkv else [tuple(int(x) for x in s.split("x")) for s in a.dkv.split(",")]
     chunk = [None] if not a.chunk else [tuple(int(x) for x in s.split("x")) for s in a.chunk.split(",")]
     chunks = [kp.CHUNK] if not a.chunks else [int(x) for x in a.chunks.split(",")]
     default_launch = kp.launch
-    for BL, R, uw, ws, cs in [(BL, R, uw, ws, cs) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
-                              for cs in chunk]:
-        def patched(name, D, ws=ws, cs=cs):
-            if ws is not None and name in ("fwd", "dq", "dkv"):
-                return dict(num_warps=ws[0], num_stages=ws[1])
-            if cs is not None and name == "chunk":
-                return dict(num_warps=cs[0], num_stages=cs[1])
-            return default_launch(name, D)
+    grid = [(BL, R, uw, ws, ks, cs) for BL in blocks for R in chunks for uw in ut_warps for ws in attn for ks in dkv
+            for cs in chunk]
+    for BL, R, uw, ws, ks, cs in grid:
+        def patched(name, D, ws=ws, ks=ks, cs=cs):
+            new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
+                   else cs if name == "chunk" else None)
+            over = {} if new is None else dict(num_warps=new[0], num_stages=new[1])
+            return default_launch(name, D) | over
         kp.launch, kp.UT_WARPS = patched, uw
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
+                 f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}")
         fn = lambda *x, BL=BL, R=R: kp.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:

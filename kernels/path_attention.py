@@ -612,9 +612,11 @@ def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
     return dmo
 
 
-def block_size(D: int) -> int:
-    """Block length BL: 64 at every head dim (at D = 128, 32 measured slower: docs/perf/path.md)."""
-    return 64
+def block_size(D: int, dtype=torch.bfloat16) -> int:
+    """Block length BL: 64 (at D = 128 in 16 bits, 32 measured slower: docs/perf/path.md), except
+    for float32 inputs at D = 128, whose float32 tiles at BL = 64 need more shared memory than an
+    H100 has (280,064 bytes against 232,448)."""
+    return 32 if D > 64 and dtype == torch.float32 else 64
 
 
 class PathScan(torch.autograd.Function):
@@ -708,7 +710,7 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     if D not in (16, 32, 64, 128) or DV not in (16, 32, 64, 128):
         raise ValueError(f"the PaTH Triton kernel takes head dims 16, 32, 64 or 128, got D={D}, Dv={DV}")
     scale = D ** -0.5 if scale is None else scale
-    BL = block or block_size(max(D, DV))
+    BL = block or block_size(max(D, DV), q.dtype)
     q, k, v, w, beta, g = _pad_time(BL, q, k, v, w, beta, g)
     Tp = q.shape[2]
     G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()

@@ -12,7 +12,7 @@ Then the attention kernels see, for blocks of BL tokens,
     G:      the cumulative log forget gate (optional)           (B*H, T)        float32
 
 Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at BL = 64). `chunk_products_fwd`
-(Triton, for fp16/bf16 inputs with D = 32 or 64) or `chunk_products` (PyTorch, otherwise)
+(Triton, for fp16/bf16 inputs with D = 32, 64 or 128) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
 M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW). A query

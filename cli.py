@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -39,7 +40,7 @@ import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
-from tasks import TASKS, Task
+from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
 from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, save_atomic,
                    summary_line, train)
@@ -130,12 +131,18 @@ def validate(cfg: TrainConfig) -> Task:
     for flag, value, ok, need in numeric_checks(cfg):
         if not ok:
             raise UsageError(f"{flag} must be {need}, got {value}")
+    check_paths(cfg)
     check_writable(Path(cfg.out))
-    unknown = sorted(set(cfg.model.opts) - set(METHODS[cfg.method].options))
+    options = METHODS[cfg.method].options
+    unknown = sorted(set(cfg.model.opts) - set(options))
     if unknown:
-        valid = ", ".join(METHODS[cfg.method].options) or "none"
+        valid = ", ".join(options) or "none"
         raise UsageError(f"method {cfg.method!r} has no option {unknown[0]!r} (--method-opt); its options: {valid} "
                          f"(--help-method {cfg.method})")
+    try:   # each option as its kind: "false" is False, 2.7 is no int (the run records the parsed values)
+        cfg.model.opts = {k: options[k].parse(k, v) for k, v in cfg.model.opts.items()}
+    except ValueError as e:
+        raise UsageError(f"--method-opt {e}") from None
     if METHODS[cfg.method].causal_only and not task.causal:
         raise UsageError(f"method {cfg.method!r} is causal only; task {cfg.task!r} needs a bidirectional model")
     if cfg.model.d_model % cfg.model.n_heads:
@@ -148,7 +155,10 @@ def validate(cfg: TrainConfig) -> Task:
             except (ValueError, TypeError) as e:
                 raise UsageError(f"task {cfg.task!r} with {cfg.task_opts}: {e}") from None
     try:  # a layer checks its own options (e.g. --method-opt values) and may check the task's batches
-        layer = METHODS[cfg.method].attention(dataclasses.replace(cfg.model, causal=task.causal))
+        model_cfg = dataclasses.replace(cfg.model, causal=task.causal, vocab_size=len(task.vocab))
+        if METHODS[cfg.method].hooks:
+            METHODS[cfg.method].hooks(model_cfg)
+        layer = METHODS[cfg.method].attention(model_cfg)
         for batch in samples if hasattr(layer, "check_context") else []:   # UPE: slots; PRISM: bins
             layer.check_context({**batch_context(task, batch, "cpu"), "tokens": batch.x})
     except (ValueError, TypeError) as e:
@@ -181,16 +191,29 @@ def check_writable(out: Path):
         raise UsageError(f"--out {out}: cannot write there ({e})") from None
 
 
+SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_paths(cfg: TrainConfig):
+    """--out names a folder; --tag is one path component of safe characters, so that a run's folder
+    lies where the figures and tables look for it (runs/<task>/<method>-<tag>/seed<S>)."""
+    if not str(cfg.out).strip():
+        raise UsageError("--out is empty; give a folder (default runs)")
+    if cfg.tag and (set(cfg.tag) - SAFE or cfg.tag.startswith(".")):
+        raise UsageError(f"--tag {cfg.tag!r}: use letters, digits, '.', '_' and '-' only, not starting with '.'")
+
+
 def numeric_checks(cfg: TrainConfig):
-    """(flag, value, within range, the range in words) for every number a run reads."""
+    """(flag, value, within range, the range in words) for every number a run reads; every float is
+    also finite (inf and nan compare false, so each range below excludes them)."""
     m = cfg.model
-    return [("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
-            ("--lr", cfg.lr, cfg.lr > 0, "> 0"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
-            ("--weight-decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0"),
+    return [("--seeds", cfg.seed, cfg.seed >= 0, ">= 0"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
+            ("--lr", cfg.lr, 0 < cfg.lr < math.inf, "> 0 and finite"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
+            ("--weight-decay", cfg.weight_decay, 0 <= cfg.weight_decay < math.inf, ">= 0 and finite"),
             ("--beta2", cfg.beta2, 0 <= cfg.beta2 < 1, "in [0, 1)"),
             ("--dropout", m.dropout, 0 <= m.dropout < 1, "in [0, 1)"),
             ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
-            ("grad_clip", cfg.grad_clip, cfg.grad_clip > 0, "> 0"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
+            ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
             ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
             ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
@@ -246,13 +269,13 @@ def config_diff(old: dict, new: dict, keys) -> str:
 # One run, guarded
 # =============================================================================================
 
-def run(cfg: TrainConfig, resume: bool = False, log=print) -> dict:
+def run(cfg: TrainConfig, resume: bool = False, log=print, force: bool = False) -> dict:
     """Check the config, take the run's folder (run.lock) and train; SIGINT or SIGTERM stops the run
     at the next step with a checkpoint. Logs the table of results and returns the metrics."""
     validate(cfg)
     if resume:
         check_resume(cfg)
-    check_run_folder(cfg, resume)
+    check_run_folder(cfg, resume, force)
     lock = lock_run(cfg.run_dir())
     try:
         with stop_signals() as flag:
@@ -292,12 +315,19 @@ def lock_run(run_dir: Path) -> Path:
 @contextlib.contextmanager
 def stop_signals():
     """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
-    instead of interrupting wherever Python happens to be (only the main thread gets signals)."""
+    instead of interrupting wherever Python happens to be (only the main thread gets signals).
+    Once the loop has set flag["now"] (its message: training is done and checkpointed), a signal
+    raises Interrupted at once, so that a long final evaluation stops within a moment."""
     flag = {"stop": None}
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    old = {s: signal.signal(s, lambda num, frame: flag.update(stop=num)) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(num, frame):
+        flag.update(stop=num)
+        if flag.get("now"):
+            raise Interrupted(flag["now"])
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield flag
     finally:
@@ -305,21 +335,33 @@ def stop_signals():
             signal.signal(s, handler)
 
 
-def check_run_folder(cfg: TrainConfig, resume: bool):
-    """A run folder that holds a run with other task or method options is refused (--tag keeps both)."""
+# Settings of how a run executes, not of what it computes: a rerun may change them freely.
+EXEC_KEYS = {"device", "workers", "graphs", "compile", "log_every", "ckpt_every", "preset", "out"}
+
+
+def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
+    """A run folder that holds a run (finished, or its checkpoint) with other options is refused
+    unless --force, naming the options that differ: a rerun must not replace results silently."""
+    if resume or force:
+        return
     for name in ("metrics.json", CKPT):
         path = cfg.run_dir() / name
-        if resume or not path.exists():
+        if not path.exists():
             continue
         try:
             saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
                 torch.load(path, map_location="cpu", weights_only=False)["config"]
-        except Exception:   # an unreadable old file is overwritten, as before
+            saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
+        except Exception:   # an unreadable file holds no result to keep: it is overwritten
             continue
-        diff = config_diff({"task_opts": saved.get("task_opts"), "opts": saved.get("model", {}).get("opts")},
-                           {"task_opts": cfg.task_opts, "opts": cfg.model.opts}, ["task_opts", "opts"])
+        task = TASKS[cfg.task]
+        new = asdict(cfg)
+        new["model"].update(vocab_size=len(task.vocab), causal=task.causal)     # as train() sets them
+        diff = config_diff(saved, new, [k for k in new if k not in EXEC_KEYS])
         if diff:
-            raise UsageError(f"{cfg.run_dir()} holds a run with other options ({diff}); give --tag to keep both")
+            what = "a finished run" if name.endswith(".json") else "a started run (its checkpoint)"
+            raise UsageError(f"{cfg.run_dir()} holds {what} with other options ({diff}); give --tag NAME to "
+                             f"keep both, or --force to replace it")
         return
 
 
@@ -331,7 +373,7 @@ class RunsFailed(Exception):
     """Some of several runs failed; the others ran to the end."""
 
 
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False) -> list[str]:
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force: bool = False) -> list[str]:
     """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
     <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
     those of the runs one after the other. A run that fails (a NaN loss, CUDA out of memory, ...)
@@ -345,14 +387,14 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False) -> li
     if jobs <= 1 or len(cfgs) <= 1:
         for cfg in cfgs:
             try:
-                run(cfg, resume=resume)
+                run(cfg, resume=resume, force=force)
             except Exception as e:
                 traceback.print_exc()
                 failure(cfg.run_dir(), e)
         return failed
     print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
-        futures = {pool.submit(run_logged, cfg, resume): cfg for cfg in cfgs}
+        futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
         for future in as_completed(futures):
             folder = futures[future].run_dir()
             try:
@@ -368,13 +410,13 @@ def check_failures(failed: list[str], n_runs: int):
                          f"{failed[0]}")
 
 
-def run_logged(cfg: TrainConfig, resume: bool = False) -> str:
+def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> str:
     """run() with its progress lines in <run>/train.log; returns the one-line summary."""
     path = cfg.run_dir() / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         try:
-            metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True))
+            metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Exception:
             print(traceback.format_exc(), file=f, flush=True)
             raise
@@ -422,7 +464,8 @@ def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,   # --step is no --steps
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
     g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
@@ -431,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
-    g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present")
+    g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "
+                   "otherwise: overwrite a finished run that had other options")
     g.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -480,6 +524,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:   # a folder that cannot be written, a full disk: save_atomic left no half file
+        print(f"error: cannot write the results: {e}", file=sys.stderr)
+        return 2
     except NaNLoss as e:
         print(f"error: training stopped: {e}", file=sys.stderr)
         return 1
@@ -518,7 +565,8 @@ def describe(args) -> str:
         check_method(args.help_method)
         opts = METHODS[args.help_method].options
         return f"method {args.help_method}: --method-opt KEY=VALUE with KEY one of\n" + \
-            "\n".join(f"  {k:16s} {v}" for k, v in opts.items()) if opts else f"method {args.help_method}: no options"
+            "\n".join(f"  {k:22s} {v.describe()}: {v.help}" for k, v in opts.items()) if opts \
+            else f"method {args.help_method}: no options"
     if args.help_task not in TASKS:
         raise UsageError(f"unknown task {args.help_task!r}; valid tasks: {', '.join(TASKS)}")
     task = TASKS[args.help_task]
@@ -541,6 +589,10 @@ def run_cli(args) -> int:
     for m in methods:
         check_method(m)
     seeds = parse_list(args.seeds, int, "--seeds")
+    for flag, items in (("--methods", methods), ("--seeds", seeds)):
+        if len(set(items)) < len(items):
+            raise UsageError(f"{flag} names {sorted(x for x in set(items) if items.count(x) > 1)[0]} twice")
+    check_applies(args, methods)
     values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -556,19 +608,40 @@ def run_cli(args) -> int:
                         preset_name) for m in methods for s in seeds]
     for cfg in cfgs:   # every run is checked before the first one starts
         validate(cfg)
+        if args.resume:
+            check_resume(cfg)
+        check_run_folder(cfg, args.resume, args.force)
     if preset_name == "cpu":
         print("Using the small CPU preset: it shows the mechanics in minutes, not the paper's numbers "
               "(run on a GPU for the paper's setting).")
     if len(cfgs) == 1:
-        run(cfgs[0], resume=args.resume)          # one run: its own error, e.g. a NaN loss, as it is
+        run(cfgs[0], resume=args.resume, force=args.force)   # one run: its own error, e.g. a NaN loss, as it is
         failed = []
     else:
-        failed = run_many(cfgs, args.jobs, args.resume)
+        failed = run_many(cfgs, args.jobs, args.resume, args.force)
     write_summaries(cfgs)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
     check_failures(failed, len(cfgs))
     return 0
+
+
+def check_applies(args, methods: list[str]):
+    """Options given on the command line that mean nothing for these methods or this task."""
+    vipe_only = [m for m in methods if not METHODS[m].test_time_s]
+    for flag, given, where, off in (
+            ("--s-rule", args.s_rule is not None, "ViPE (--method vipe)", vipe_only),
+            ("--finetune-steps", args.finetune_steps is not None, "ViPE (--method vipe)", vipe_only),
+            ("--ape-shift", args.ape_shift is not None, "APE (--method ape)", [m for m in methods if m != "ape"])):
+        if given and off:
+            raise UsageError(f"{flag} applies to {where} only, not to {', '.join(off)}")
+    if args.held_out_lengths and not args.eval_every:
+        raise UsageError("--held-out-lengths applies with --eval-every N only (the evaluations during training)")
+    if args.curriculum and args.task in TASKS:
+        lengths = parse_list(args.train_lengths, int, "--train-lengths") or TASKS[args.task].train_lengths
+        if len({tuple(curriculum_lengths(step, 100, lengths)) for step in range(100)}) < 2:
+            raise UsageError(f"--curriculum grows the training length from 5 up to the longest; the training "
+                             f"lengths of {args.task} ({min(lengths)}-{max(lengths)}) leave nothing to grow")
 
 
 def write_summary(method_dir: Path):
@@ -608,7 +681,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
                 print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
             else:
                 todo.append(cfg)
-        failed += run_many(todo, args.jobs)
+        failed += run_many(todo, args.jobs, force=args.force)
         write_summaries(cfgs)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)

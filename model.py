@@ -193,13 +193,52 @@ class SinusoidalAPE(Hooks):
 
 
 @dataclass
+class Opt:
+    """One --method-opt option of a method: its kind (int, float, bool, str, or list of ints), the
+    smallest value it takes (for a list, each item), the values a str takes, and a line of help."""
+    kind: type
+    help: str
+    low: float | None = None
+    choices: tuple = ()
+
+    def parse(self, name: str, value):
+        """The value as its kind, or ValueError naming the option: no silent conversions (the string
+        "False" is not true, 2.7 is not the int 2)."""
+        need = f"{name} must be {self.describe()}, got {value!r}"
+        if self.kind is bool:
+            text = str(value).lower() if isinstance(value, (bool, str)) else ""
+            if text not in ("true", "false"):
+                raise ValueError(need)
+            return text == "true"
+        items = value if self.kind is list else [value]
+        if self.kind is list and not isinstance(value, list):
+            raise ValueError(need)
+        want = str if self.kind is str else float if self.kind is float else int
+        for v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, float) if want is float else want):
+                raise ValueError(need)
+            if want is float and not math.isfinite(v):
+                raise ValueError(need)
+            if (self.low is not None and v < self.low) or (self.choices and v not in self.choices):
+                raise ValueError(need)
+        return float(value) if want is float else value
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + " | ".join(self.choices)
+        kind = "a list of ints" if self.kind is list else {int: "an int", float: "a float", bool: "true | false",
+                                                             str: "a string"}[self.kind]
+        return kind + (f" >= {self.low:g}" if self.low is not None else "")
+
+
+@dataclass
 class Method:
     """A position encoding as the model uses it."""
     attention: Callable            # layer class (or factory): attention(cfg) -> module, forward(x, ctx)
     hooks: type | None = None      # optional Hooks subclass
     param_groups: Callable | None = None   # optional fn(model, base_lr) -> extra optimiser groups
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
-    options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> help
+    options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> Opt
     test_time_s: bool = False      # reads ctx["s"] (ViPE): evaluated under every rule for s
 
 

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from model import Hooks, Method, Model, ModelConfig, batch_context
+from model import Hooks, Method, Model, ModelConfig, Opt, batch_context
 
 BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
 
@@ -307,6 +307,9 @@ class PrismHooks(Hooks):
         self.H, self.O = cfg.n_heads, int(o.get("prism_cursors", 4))
         self.P, self.d = int(o.get("prism_bins", 256)), int(o.get("prism_dim", 32))
         self.blocks = [int(b) for b in o.get("prism_blocks", [0])]
+        if not self.blocks or max(self.blocks) >= cfg.n_layers or min(self.blocks) < 0:
+            raise ValueError(f"prism_blocks {self.blocks}: blocks are numbered 0 to {cfg.n_layers - 1} "
+                             f"(the model has {cfg.n_layers})")
         n = 2 * self.H * self.O                                         # query and key cursors
         fixed, scale = bool(o.get("prism_fixed_gru_input", False)), float(o.get("prism_whh_scale", 0.0))
         count = float(o.get("prism_count_bias", 0.0))
@@ -408,19 +411,20 @@ def alpha_group(model, base_lr):
 
 
 PRISM = Method(PrismAttention, hooks=PrismHooks, param_groups=alpha_group,
-               options={"prism_cursors": "query (and key) cursors per head, int (default 4)",
-                        "prism_bins": "histogram bins P, int >= the longest sequence (default 256)",
-                        "prism_dim": "superposition width d per cursor, int (default 32)",
-                        "prism_blocks": "blocks before which positions are computed, list (default [0])",
-                        "prism_copy": "the copy branch, true | false (default false)",
-                        "prism_alpha": "initial cursor scale alpha, float (default 8)",
-                        "prism_fixed_gru_input": "ablation: the gate GRU's input weights and biases stay at their "
-                                                 "random initial values, true | false (default false)",
-                        "prism_whh_scale": "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g starting "
-                                           "here, not orthogonal, float (default 0: orthogonal)",
-                        "prism_count_bias": "the gate head's initial biases, reset -b and increment +b, so that "
-                                            "cursors start out counting (the prism-* experiments use 1), float b "
-                                            "(default 0: nn.Linear's random biases)"})
+               options={"prism_cursors": Opt(int, "query (and key) cursors per head (default 4)", 1),
+                        "prism_bins": Opt(int, "histogram bins P, >= the longest sequence (default 256)", 2),
+                        "prism_dim": Opt(int, "superposition width d per cursor (default 32)", 2),
+                        "prism_blocks": Opt(list, "blocks (0-based) before which positions are computed "
+                                                  "(default [0])", 0),
+                        "prism_copy": Opt(bool, "the copy branch (default false)"),
+                        "prism_alpha": Opt(float, "initial cursor scale alpha (default 8)"),
+                        "prism_fixed_gru_input": Opt(bool, "ablation: the gate GRU's input weights and biases stay "
+                                                           "at their random initial values (default false)"),
+                        "prism_whh_scale": Opt(float, "ablation: W_hh = g sqrt(100) V / |V|_F with a learnable g "
+                                                      "starting here, not orthogonal (default 0: orthogonal)", 0),
+                        "prism_count_bias": Opt(float, "the gate head's initial biases, reset -b and increment +b, "
+                                                       "so that cursors start out counting (the prism-* experiments "
+                                                       "use 1) (default 0: nn.Linear's random biases)", 0)})
 
 
 # =============================================================================================

@@ -217,9 +217,22 @@ def git_hash() -> str:
         return "unknown"
 
 
-def save_atomic(obj, path: Path):
-    """Write to a temporary file, then rename: a crash never leaves half a file. Strings are
-    written as text, dicts to .json as JSON, anything else with torch.save."""
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (else set and put back)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def save_atomic(obj, path: Path, **savefig):
+    """Write to a temporary file of its own in the target folder, then rename: a crash never leaves
+    half a file, and two writers of one path never share a temporary name. Strings are written as
+    text, dicts to .json as JSON, a matplotlib figure with fig.savefig(**savefig), anything else
+    with torch.save. The file gets the usual mode (0666 less the umask), not mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
     try:
@@ -228,8 +241,11 @@ def save_atomic(obj, path: Path):
                 f.write(obj.encode())
             elif path.suffix == ".json":
                 f.write(json.dumps(obj, indent=1).encode())
+            elif hasattr(obj, "savefig"):
+                obj.savefig(f, format=path.suffix.lstrip("."), **savefig)
             else:
                 torch.save(obj, f)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -462,6 +478,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     wall, loop = time.time() - t0, time.time() - mark[1]
     del stream                                   # stops the data workers
     train_step.release()
+    # from here a signal stops the run at once (cli.stop_signals): the checkpoint of the last step is
+    # written, and --resume goes straight to the evaluation
+    flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
+                   "the same command with --resume evaluates it")
 
     train_max = max(train_lengths)
     ablations = {}                               # ViPE: the other rules for s, before any fine-tuning

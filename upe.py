@@ -42,7 +42,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from model import Method
+from model import Method, Opt
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
@@ -175,6 +175,6 @@ class UPEAttention(RPEAttention):
         super().__init__(cfg, uniform=True)
 
 
-RPE = Method(RPEAttention, options={"rpe_clip": "clip distance K, int >= 1 (default 64)"})
-UPE = Method(UPEAttention, options={"rpe_clip": "clip distance K, int >= 1 (default 64)",
-                                    "upe_slots": "uniform vectors M, int > the largest slot (default 3)"})
+RPE = Method(RPEAttention, options={"rpe_clip": Opt(int, "clip distance K (default 64)", 1)})
+UPE = Method(UPEAttention, options={"rpe_clip": Opt(int, "clip distance K (default 64)", 1),
+                                    "upe_slots": Opt(int, "uniform vectors M, > the largest slot (default 3)", 1)})

@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method
+from model import Method, Opt
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
@@ -201,5 +201,6 @@ class ViPEAttention(nn.Module):
 
 
 VIPE = Method(ViPEAttention, causal_only=True, test_time_s=True,
-              options={"vipe_mode": "both | value (the code alone) | scale (the rescaling alone) (default both)",
-                       "vipe_dp": "code width d_p, int (default 8)"})
+              options={"vipe_mode": Opt(str, "both, value (the code alone) or scale (the rescaling alone) "
+                                             "(default both)", choices=("both", "value", "scale")),
+                       "vipe_dp": Opt(int, "code width d_p (default 8)", 1)})

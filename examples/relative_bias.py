@@ -14,7 +14,7 @@ Shapes: B batch, T time, C d_model, H heads, D head dim.
 import torch
 import torch.nn as nn
 
-from model import Method, attend, relative_distance
+from model import Method, Opt, attend, relative_distance
 
 
 class RelativeBiasAttention(nn.Module):
@@ -37,4 +37,4 @@ class RelativeBiasAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, T, C))                       # (B, T, C)
 
 
-RELBIAS = Method(RelativeBiasAttention, options={"relbias_clip": "clip distance K, int >= 1 (default 32)"})
+RELBIAS = Method(RelativeBiasAttention, options={"relbias_clip": Opt(int, "clip distance K (default 32)", 1)})

@@ -331,7 +331,7 @@ def run_cli(capsys, *args):
     (["--task", "flipflop", "--method", "rope", "--task-opt", "p_ignore=2"], "p_ignore must be in [0, 1), got 2"),
     (["--task", "mul_padded", "--method", "rope", "--task-opt", "multiplier_digits=4"], "must be 1, 2 or 3, got 4"),
     (["--task", "copy", "--method", "rope", "--seeds", ""], "--seeds: the list is empty"),
-    (["--task", "copy", "--method", "nope", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--task", "copy", "--method", "nope", "--lr", "-1"], "--lr must be > 0 and finite, got -1.0"),
     (["--task", "copy", "--method", "nope", "--steps", "0"], "--steps must be >= 1, got 0"),
     (["--task", "copy", "--method", "nope", "--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
     (["--task", "copy", "--method", "nope", "--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
@@ -429,7 +429,7 @@ def test_a_run_with_other_options_does_not_overwrite_a_run(capsys, tmp_path):
             "--out", str(tmp_path)]
     assert run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=1")[0] == 0
     code, _, err = run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=3")
-    assert code == 2 and "holds a run with other options (task_opts.multiplier_digits: 1 -> 3)" in err
+    assert code == 2 and "holds a finished run with other options (task_opts.multiplier_digits: 1 -> 3)" in err
     assert run_cli(capsys, *tiny, "--task-opt", "multiplier_digits=3", "--tag", "m3")[0] == 0
 
 

@@ -307,4 +307,4 @@ def test_cli_rejects_a_bad_clip(capsys, tmp_path):
     code = main(["--task", "add_padded", "--method", "rpe", "--method-opt", "rpe_clip=0",
                  "--out", str(tmp_path / "runs"), "--device", "cpu"])
     err = capsys.readouterr().err
-    assert code == 2 and "rpe_clip must be at least 1" in err and not (tmp_path / "runs").exists()
+    assert code == 2 and "rpe_clip must be an int >= 1, got 0" in err and not (tmp_path / "runs").exists()

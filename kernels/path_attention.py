@@ -290,6 +290,7 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
     dg = -tl.sum(dst, 1)
     # the later query blocks of this chunk: keys kh, their states stored per block pair
     b = m // R
+    dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
     dk = tl.zeros([BL, D], dtype=tl.float32)
     dp_m = tl.zeros([D, D], dtype=tl.float32)
     for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
@@ -299,6 +300,14 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
                                 HAS_G, DV, PREC16)
         dk += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
         dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
+    # each D x D sum is stored as soon as it is complete, so that no two are held in registers at once
+    tl.store(DM + dd, -dp_m)                                                  # dM = -dP (P = I - M)
+    # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
+    dpl = tl.zeros([D, D], dtype=tl.float32)
+    for i in range(b * R + R + m % R, n_blocks, R):
+        at = (bh * n_inter + _inter(i, R) + b) * BL * D + tile
+        dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
+    tl.store(DPL + dd, dpl)
     # the query blocks of later chunks: keys kL, one state per (query block, chunk)
     kl = tl.load(KL + col[:, None] * D + rd[None, :])
     dkl = tl.zeros([BL, D], dtype=tl.float32)
@@ -307,12 +316,6 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
                                 HAS_G, DV, PREC16)
         dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
-    # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
-    dpl = tl.zeros([D, D], dtype=tl.float32)
-    for i in range(b * R + R + m % R, n_blocks, R):
-        at = (bh * n_inter + _inter(i, R) + b) * BL * D + tile
-        dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
-    dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
     if FOLD_KL:
         dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
@@ -321,8 +324,6 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         tl.store(DKL + col[:, None] * D + rd[None, :], dkl)
     tl.store(DKH + col[:, None] * D + rd[None, :], dk.to(DKH.dtype.element_ty))
     tl.store(DV_ + col[:, None] * DV + rv[None, :], dv.to(DV_.dtype.element_ty))
-    tl.store(DM + dd, -dp_m)                                                  # dM = -dP (P = I - M)
-    tl.store(DPL + dd, dpl)
     if HAS_G:
         tl.store(DGK + col, dg)
 

@@ -208,6 +208,40 @@ def _triton_ok():
     return True
 
 
+@torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
+def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
+                          chunk: int | None = None):
+    """The Triton fast path (kernels/path_attention.py), same contract as `path_attention_naive`;
+    q, k, v in fp16/bf16/fp32. Pads T to whole blocks, runs the UT preprocessing (fused in Triton
+    for 16-bit inputs with D >= 32, `ut_blocks` otherwise), then the blockwise attention. `block`
+    is BL, `chunk` the R blocks per chunk (tests use small ones)."""
+    from kernels import path_attention as kp          # Triton is imported where it is used
+
+    B, H, T, D = q.shape
+    DV = v.shape[-1]
+    if D not in (16, 32, 64, 128) or DV not in (16, 32, 64, 128):
+        raise ValueError(f"the PaTH Triton kernel takes head dims 16, 32, 64 or 128, got D={D}, Dv={DV}")
+    scale = D ** -0.5 if scale is None else scale
+    BL = block or kp.block_size(max(D, DV), q.dtype)
+    q, k, v, w, beta, g = _pad_time(BL, q, k, v, w, beta, g)
+    Tp = q.shape[2]
+    G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()
+    f32 = torch.float32
+    flat = lambda x, dt=None: x.reshape(B * H, Tp, x.shape[-1]).to(dt or x.dtype).contiguous()  # noqa: E731
+    w = flat(w, f32)
+    # float32 inputs: exact float32 products in PyTorch (cuBLAS). D = 16: the fused kernel's bf16
+    # products hit an illegal memory access on an H100 (Triton 3.6), so PyTorch as well.
+    if q.dtype == torch.float32 or D < 32:
+        qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, BL))
+        with torch.autocast(q.device.type, enabled=False):  # M = W^T U per block, in float32
+            mb = w.view(B * H, Tp // BL, BL, D).mT @ u.view(B * H, Tp // BL, BL, D)
+    else:                                                   # 16-bit inputs: fused, tensor-core products
+        qh, kh, mb, sd = kp.UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
+                                           scale, BL)
+    o = kp.PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, BL, chunk or kp.CHUNK)
+    return o.view(B, H, Tp, DV)[:, :, :T]
+
+
 def path_attention(q, k, v, w, beta, g=None, scale=None):
     """PaTH attention (causal), same contract as `path_attention_naive`. Triton on CUDA, the
     blockwise PyTorch path on CPU; `BACKEND` forces one."""
@@ -225,7 +259,6 @@ def path_attention(q, k, v, w, beta, g=None, scale=None):
     if backend == "torch":
         return path_attention_torch(q, k, v, w, beta, g, scale)
     if backend == "triton":
-        from kernels.path_attention import path_attention_triton
         return path_attention_triton(q, k, v, w, beta, g, scale)
     raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
 

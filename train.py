@@ -11,6 +11,11 @@ runs/<task>/<method>/seed<S>/{metrics.json, model.pt}. Shapes: B batch, T time, 
 """
 from __future__ import annotations
 
+if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) takes over before this
+    import sys               # file's body runs, so that the body runs once, as the module `train`
+    import cli
+    sys.exit(cli.main())
+
 import json
 import math
 import os
@@ -553,7 +558,3 @@ def summary_line(rows, train_max) -> str:
     if rows and rows[0]["variant"]:
         return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
     return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"
-
-
-if __name__ == "__main__":   # the command line lives in cli.py
-    sys.exit(__import__("cli").main())

@@ -1,6 +1,8 @@
 """Triton kernels for PaTH attention: a FlashAttention-style forward and its backward, on two levels.
 
-The math is in path_attention.py. First the per-block UT preprocessing: `UTBlocks` (below: one
+The math is in path_attention.py, and so is `path_attention_triton`, which pads the inputs to whole
+blocks and calls what this file holds (it imports nothing of the project: kernels are the ground
+floor). First the per-block UT preprocessing: `UTBlocks` (below: one
 Triton program per block, forward and backward, 16-bit tensor-core products) for fp16/bf16 inputs
 with D >= 32, `path_attention.ut_blocks` (PyTorch, exact float32, differentiated by autograd)
 otherwise.
@@ -697,35 +699,3 @@ class PathScan(torch.autograd.Function):
             dkh, dmb = dkh + grads[0], dmb + grads[1]
         dG = dgq + dgk if has_g else None
         return dqh, dkh, dv, dmb, dsd, dG, None, None, None
-
-
-@torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
-def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | None = None,
-                          chunk: int = CHUNK):
-    """Same contract as path_attention.path_attention_naive; q, k, v in fp16/bf16/fp32. `block` is
-    BL, `chunk` the R blocks per chunk (tests use small ones)."""
-    from path_attention import _pad_time, ut_blocks
-
-    B, H, T, D = q.shape
-    DV = v.shape[-1]
-    if D not in (16, 32, 64, 128) or DV not in (16, 32, 64, 128):
-        raise ValueError(f"the PaTH Triton kernel takes head dims 16, 32, 64 or 128, got D={D}, Dv={DV}")
-    scale = D ** -0.5 if scale is None else scale
-    BL = block or block_size(max(D, DV), q.dtype)
-    q, k, v, w, beta, g = _pad_time(BL, q, k, v, w, beta, g)
-    Tp = q.shape[2]
-    G = None if g is None else g.float().cumsum(-1).reshape(B * H, Tp).contiguous()
-    f32 = torch.float32
-    flat = lambda x, dt=None: x.reshape(B * H, Tp, x.shape[-1]).to(dt or x.dtype).contiguous()  # noqa: E731
-    w = flat(w, f32)
-    # float32 inputs: exact float32 products in PyTorch (cuBLAS). D = 16: the fused kernel's bf16
-    # products hit an illegal memory access on an H100 (Triton 3.6), so PyTorch as well.
-    if q.dtype == torch.float32 or D < 32:
-        qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, BL))
-        with torch.autocast(q.device.type, enabled=False):  # M = W^T U per block, in float32
-            mb = w.view(B * H, Tp // BL, BL, D).mT @ u.view(B * H, Tp // BL, BL, D)
-    else:                                                   # 16-bit inputs: fused, tensor-core products
-        qh, kh, mb, sd = UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
-                                        scale, BL)
-    o = PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, BL, chunk)
-    return o.view(B, H, Tp, DV)[:, :, :T]

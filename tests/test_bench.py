@@ -1,9 +1,9 @@
-"""kernels/bench.py builds the right callables: each case of each op runs forward and backward at a
+"""bench.py builds the right callables: each case of each op runs forward and backward at a
 tiny size (on the CPU the Triton cases go through the interpreter; the timing itself needs a GPU)."""
 import pytest
 import torch
 
-import kernels.bench as bench
+import bench
 
 
 @pytest.mark.parametrize("op", list(bench.OPS))

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 
 import path_attention as pa
 from path_attention import (FoxAttention, PathAttention, path_attention, path_attention_carry, path_attention_naive,
-                            path_attention_torch, path_decode_step)
+                            path_attention_torch, path_attention_triton, path_decode_step)
 from model import ModelConfig
 
 triton = pytest.importorskip("triton")
-from kernels.path_attention import path_attention_triton  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"  # where the Triton kernel runs (compiled, or the interpreter on CPU)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kernels.path_attention as kp  # noqa: E402
+import path_attention as pa  # noqa: E402
 
 TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}")
-        fn = lambda *x, BL=BL, R=R: kp.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
+        fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:
             step = step_fn(fn, args)
             ms = triton.testing.do_bench(step, warmup=25, rep=200)

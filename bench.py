@@ -1,9 +1,9 @@
 """Speed and memory of the fast paths against PyTorch SDPA (no position encoding), on one GPU.
 
-    python kernels/bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
-    python kernels/bench.py --op path --lengths 512,1024,2048
-    python kernels/bench.py --op path --lengths 4096 --heads 16 --head-dim 128 --gate   # PaTH-FoX, D = 128
-    python kernels/bench.py --op train      # train.py's steps/s on the headline presets
+    python bench.py                 # every op, bf16, writes runs/bench/<op>.{md,png}
+    python bench.py --op path --lengths 512,1024,2048
+    python bench.py --op path --lengths 4096 --heads 16 --head-dim 128 --gate   # PaTH-FoX, D = 128
+    python bench.py --op train      # train.py's steps/s on the headline presets
 
 For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
 case slower than 5 s, like PRISM's naive loop) of the forward and of forward + backward, the
@@ -23,10 +23,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, also when run as a script
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 DEVICE = "cuda"  # the tests build the cases on the CPU at tiny sizes
@@ -71,7 +69,7 @@ def measure(fn, backward: bool):
 def path_cases(B, H, T, D, dtype, gate=False):
     """The callables compared for PaTH at one shape (PaTH-FoX with gate); each carries its .inputs."""
     import path_attention as pa
-    from kernels.path_attention import path_attention_triton
+    from path_attention import path_attention_triton
 
     dev = DEVICE
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -256,7 +254,7 @@ def plot(name, rows, gpu, path):
 
 
 # =============================================================================================
-# Training throughput:  python kernels/bench.py --op train
+# Training throughput:  python bench.py --op train
 # =============================================================================================
 
 TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("polynomial", "vipe"),
@@ -359,7 +357,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels/bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
+        print("bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
         return 2
     if args.op == "train":
         run_train(args.steps, Path(args.out))

@@ -1,0 +1,81 @@
+"""The layout of SPEC section 2: imports flow one way (kernels at the ground, no circle), and
+`python train.py` runs train.py's body once."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{d}.{p.stem}": p for d in ("kernels", "examples")
+                                                     for p in (ROOT / d).glob("*.py") if p.stem != "__init__"}
+
+
+def imports(path: Path) -> set[str]:
+    """The project modules a file imports, at its top or in a function; not in its `__main__` block
+    (the hand-over of train.py to cli.py, which SPEC allows)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)   # from kernels import path_attention
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(tree)
+    return {m for m in found if m in MODULES}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def test_kernels_import_nothing_of_the_project():
+    for name, deps in GRAPH.items():
+        if name.startswith("kernels."):
+            assert all(d.startswith("kernels.") for d in deps), f"{name} imports {sorted(deps)}"
+
+
+def test_method_files_import_no_loop():
+    for name in ("path_attention", "prism", "vipe", "upe", "model", "tasks", "examples.relative_bias"):
+        assert not GRAPH[name] & {"train", "cli", "experiments", "bench"}, f"{name} imports {sorted(GRAPH[name])}"
+    assert "cli" not in GRAPH["train"]
+
+
+def test_no_import_circle():
+    state = {}
+
+    def walk(name, path):
+        state[name] = "open"
+        for dep in GRAPH[name]:
+            if state.get(dep) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path + [dep]))
+            if dep not in state:
+                walk(dep, path + [dep])
+        state[name] = "done"
+    for name in GRAPH:
+        if name not in state:
+            walk(name, [name])
+
+
+def test_the_graph_sees_the_imports():
+    """The walk itself: it finds what it must (else the tests above would pass on an empty graph)."""
+    assert {"train", "experiments"} <= GRAPH["cli"] and "kernels.path_attention" in GRAPH["path_attention"]
+    assert "model" in GRAPH["vipe"] and "bench" in MODULES
+
+
+def test_python_train_py_runs_its_body_once():
+    """`python train.py` hands over to cli.py before its body runs: the registry is built once
+    (model.baseline is called for each of the six baselines once, not twice)."""
+    code = ("import runpy, sys; import model; calls = []; orig = model.baseline\n"
+            "model.baseline = lambda *a, **k: (calls.append(a[0]), orig(*a, **k))[1]\n"
+            "sys.argv = ['train.py', '--help-method', 'nope']\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(len(calls), sorted(m for m in sys.modules if m in ('train', '__main__')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split()[0] == "6", out.stdout

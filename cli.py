@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import traceback
@@ -463,8 +464,35 @@ def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
     return opts
 
 
+ABOUT = """Train a small Transformer with one position encoding on one task, evaluate it at every
+test length (past the training lengths too), print a table of accuracy by length, and write
+runs/<task>/<method>[-<tag>]/seed<S>/metrics.json with runs/<task>/extrapolation.png, a plot of
+every method run on that task so far. On a GPU the defaults follow each paper's model (preset
+gpu); on a CPU a small preset shows the mechanics in minutes."""
+
+
+def epilog() -> str:
+    """Examples, the experiments, and the presets the defaults come from (read from the code)."""
+    def values(d):
+        return ", ".join(f"{k}={v}" for k, v in d.items())
+    lines = ["examples:",
+             "  python train.py --method path --task flipflop                 one run",
+             "  python train.py --methods nope,rope,vipe --task parity --seeds 0,1,2 --jobs 3",
+             "  python train.py --method rope --task copy --steps 5000 --tag long",
+             "  python train.py --method rope --task copy --steps 5000 --tag long --resume   after Ctrl-C",
+             "  python train.py --reproduce path-flipflop                     a paper's headline experiment",
+             "  python train.py --help-method prism                           a method's --method-opt options",
+             "", "experiments (--reproduce NAME, or all):",
+             *textwrap.wrap(", ".join(experiments.EXPERIMENTS), 96, initial_indent="  ", subsequent_indent="  "),
+             "", "presets (a flag overrides them; the other defaults: train.TrainConfig):"]
+    for name, tasks in PRESETS.items():
+        lines.append(f"  {name}: {values(tasks['default'])}")
+        lines += [f"    {task}: {values(d)}" for task, d in tasks.items() if task != "default"]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,   # --step is no --steps
+    p = argparse.ArgumentParser(description=ABOUT, epilog=epilog(), allow_abbrev=False,   # --step is no --steps
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to run")
     g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")

@@ -79,3 +79,21 @@ def test_python_train_py_runs_its_body_once():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1].split()[0] == "6", out.stdout
+
+
+def test_help_is_written_for_users(capsys):
+    """--help: a paragraph for users (not the module's developer docstring), examples, every
+    experiment name and the presets, read from the code."""
+    import pytest
+
+    import cli
+    import experiments
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert e.value.code == 0 and cli.ABOUT.split()[0] in text and "keeps a run safe" not in text
+    assert "examples:" in text and "--resume" in text and "--reproduce path-flipflop" in text
+    flat = " ".join(text.split())
+    assert all(name in flat for name in experiments.EXPERIMENTS)
+    gpu = cli.PRESETS["gpu"]["flipflop"]
+    assert f"flipflop: d_model={gpu['d_model']}, n_layers={gpu['n_layers']}" in text

@@ -97,3 +97,23 @@ def test_help_is_written_for_users(capsys):
     assert all(name in flat for name in experiments.EXPERIMENTS)
     gpu = cli.PRESETS["gpu"]["flipflop"]
     assert f"flipflop: d_model={gpu['d_model']}, n_layers={gpu['n_layers']}" in text
+
+
+def test_readme_snippet_runs(tmp_path, monkeypatch):
+    """README's "Use a method in your own model" snippet, as written, run from the repository's folder."""
+    import re
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Use a method in your own model"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert tuple(scope["y"].shape) == (2, 50, 128) and scope["y"].isfinite().all()
+
+
+def test_readme_install_block_is_what_ci_runs():
+    """CI installs as README says: the CPU line's torch version and the requirements file."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    block = readme[readme.index("## Install"):readme.index("## Quick start")]
+    assert "pip install torch==2.13.0" in block and "pip install -q torch==2.13.0" in ci
+    assert "pip install -r requirements.txt" in block and "pip install -q -r requirements.txt" in ci

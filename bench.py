@@ -20,6 +20,7 @@ Shapes: B batch, H heads, T time, D head dim.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -192,8 +193,6 @@ OPS = {
 
 def run_op(name, spec, lengths, dtype, out_dir: Path):
     B, H, D = spec["B"], spec["H"], spec["D"]
-    if spec.get("gate"):
-        spec = dict(spec, cases=lambda *shape: path_cases(*shape, gate=True))
     rows = []
     for T in lengths:
         for label, fn in spec["cases"](B, H, T, D, dtype).items():
@@ -372,10 +371,12 @@ def main(argv=None) -> int:
         return 2
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
     for name in names:
-        spec = dict(OPS[name], gate=args.gate)
-        spec["H"], spec["D"] = args.heads or spec["H"], args.head_dim or spec["D"]
-        shape = f"_H{spec['H']}_D{spec['D']}" if (args.heads or args.head_dim) else ""
-        run_op(name + shape + ("_fox" if args.gate else ""), spec, lengths or spec["lengths"], getattr(torch, args.dtype), Path(args.out))
+        spec = dict(OPS[name], H=args.heads or OPS[name]["H"], D=args.head_dim or OPS[name]["D"])
+        if args.gate:
+            spec["cases"] = functools.partial(path_cases, gate=True)
+        label = name + (f"_H{spec['H']}_D{spec['D']}" if (args.heads or args.head_dim) else "") + \
+            ("_fox" if args.gate else "")
+        run_op(label, spec, lengths or spec["lengths"], getattr(torch, args.dtype), Path(args.out))
     return 0
 
 

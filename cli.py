@@ -208,13 +208,16 @@ def numeric_checks(cfg: TrainConfig):
     """(flag, value, within range, the range in words) for every number a run reads; every float is
     also finite (inf and nan compare false, so each range below excludes them)."""
     m = cfg.model
-    return [("--seeds", cfg.seed, cfg.seed >= 0, ">= 0"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"), ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
-            ("--lr", cfg.lr, 0 < cfg.lr < math.inf, "> 0 and finite"), ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
+    return [("--seeds", cfg.seed, cfg.seed >= 0, ">= 0"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
+            ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
+            ("--lr", cfg.lr, 0 < cfg.lr < math.inf, "> 0 and finite"),
+            ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
             ("--weight-decay", cfg.weight_decay, 0 <= cfg.weight_decay < math.inf, ">= 0 and finite"),
             ("--beta2", cfg.beta2, 0 <= cfg.beta2 < 1, "in [0, 1)"),
             ("--dropout", m.dropout, 0 <= m.dropout < 1, "in [0, 1)"),
             ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
-            ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"), ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
+            ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
+            ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
             ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
             ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
@@ -243,15 +246,21 @@ def check_resume(cfg: TrainConfig):
         assert isinstance(saved, dict) and "model" in ckpt
     except Exception as e:  # any unreadable file is reported the same way
         raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
-    task = TASKS[cfg.task]
-    new = asdict(cfg)
-    new["model"].update(vocab_size=len(task.vocab), causal=task.causal)     # as train() sets them
-    saved = {**saved, "model": {**asdict(ModelConfig()), **saved["model"]}}   # fields newer than the run
-    diff = config_diff(saved, new, RESUME_KEYS)
+    diff = saved_diff(saved, cfg, RESUME_KEYS)
     if diff:
         raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
     if ckpt["step"] > cfg.steps:
         raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
+
+
+def saved_diff(saved: dict, cfg: TrainConfig, keys) -> str:
+    """config_diff between a run's saved config and cfg, as train() completes cfg (the task's
+    vocabulary and causality), with defaults for fields newer than the saved run."""
+    task = TASKS[cfg.task]
+    new = asdict(cfg)
+    new["model"].update(vocab_size=len(task.vocab), causal=task.causal)
+    saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
+    return config_diff(saved, new, keys)
 
 
 def config_diff(old: dict, new: dict, keys) -> str:
@@ -352,13 +361,9 @@ def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
         try:
             saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
                 torch.load(path, map_location="cpu", weights_only=False)["config"]
-            saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
+            diff = saved_diff(saved, cfg, [f.name for f in dataclasses.fields(cfg) if f.name not in EXEC_KEYS])
         except Exception:   # an unreadable file holds no result to keep: it is overwritten
             continue
-        task = TASKS[cfg.task]
-        new = asdict(cfg)
-        new["model"].update(vocab_size=len(task.vocab), causal=task.causal)     # as train() sets them
-        diff = config_diff(saved, new, [k for k in new if k not in EXEC_KEYS])
         if diff:
             what = "a finished run" if name.endswith(".json") else "a started run (its checkpoint)"
             raise UsageError(f"{cfg.run_dir()} holds {what} with other options ({diff}); give --tag NAME to "

@@ -202,5 +202,5 @@ class ViPEAttention(nn.Module):
 
 VIPE = Method(ViPEAttention, causal_only=True, test_time_s=True,
               options={"vipe_mode": Opt(str, "both, value (the code alone) or scale (the rescaling alone) "
-                                             "(default both)", choices=("both", "value", "scale")),
+                                             "(default both)", choices=MODES),
                        "vipe_dp": Opt(int, "code width d_p (default 8)", 1)})

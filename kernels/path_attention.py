@@ -62,16 +62,16 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 # both loops: at BL = 64 their D x D float32 tiles need more shared memory than an H100 has.
 # Other head dims keep Triton's default (4 warps, 3 stages): at D = 32 one stage gave NaN outputs
 # for fp16/bf16 inputs on Triton 3.6. 8 warps at D = 128 hit an illegal memory access (Triton 3.6).
-_DEFAULT = dict(num_warps=4, num_stages=3)
-LAUNCH = {64: dict(fwd=dict(num_warps=4, num_stages=1, KS=3), dq=dict(num_warps=4, num_stages=1, KS=3, IS=2),
-                   dkv=_DEFAULT),
-          128: dict(fwd=dict(num_warps=4, num_stages=1, KS=2), dq=dict(num_warps=4, num_stages=1, KS=2, IS=1),
-                    dkv=_DEFAULT, chunk=dict(num_warps=8, num_stages=1))}
+# LAUNCH holds what differs from DEFAULT per head dim.
+DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
+               dkv=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3))
+LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
+          128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
+                    chunk=dict(num_warps=8, num_stages=1))}
 
 
 def launch(name: str, D: int) -> dict:
-    loops = dict(fwd=dict(KS=3), dq=dict(KS=3, IS=2)).get(name, {})   # the other head dims
-    return LAUNCH.get(D, {}).get(name, _DEFAULT | loops)
+    return DEFAULT[name] | LAUNCH.get(D, {}).get(name, {})
 
 
 def key_tile(BL: int, R: int, D: int) -> int:
@@ -193,8 +193,7 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
             R: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, IS: tl.constexpr, HAS_G: tl.constexpr,
-            PREC: tl.constexpr,
-            PREC16: tl.constexpr):
+            PREC: tl.constexpr, PREC16: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]

@@ -45,7 +45,6 @@ from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
 from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, save_atomic,
                    summary_line, train)
-from vipe import S_RULES
 
 
 # =============================================================================================
@@ -219,8 +218,6 @@ def numeric_checks(cfg: TrainConfig):
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
             ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
-            ("--finetune-steps", cfg.finetune_steps, cfg.finetune_steps >= 0, ">= 0"),
-            ("--s-rule", cfg.s_rule, cfg.s_rule in S_RULES, f"one of {', '.join(S_RULES)}"),
             ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
@@ -545,8 +542,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, help="also evaluate every N steps on the test set (the history "
                    "feeds the papers' selection rules)")
     g.add_argument("--held-out-lengths", help="with --eval-every: also on other examples of these lengths")
-    g.add_argument("--s-rule", choices=S_RULES, help="ViPE's test-time s (default fixed: L_test_max / L_train_max)")
-    g.add_argument("--finetune-steps", type=int, help="ViPE: steps fine-tuned with the fixed s before the test")
     return p
 
 
@@ -635,7 +630,6 @@ def run_cli(args) -> int:
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
                   held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
-                  s_rule=args.s_rule, finetune_steps=args.finetune_steps,
                   compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
                         preset_name) for m in methods for s in seeds]
@@ -661,13 +655,9 @@ def run_cli(args) -> int:
 
 def check_applies(args, methods: list[str]):
     """Options given on the command line that mean nothing for these methods or this task."""
-    vipe_only = [m for m in methods if not METHODS[m].test_time_s]
-    for flag, given, where, off in (
-            ("--s-rule", args.s_rule is not None, "ViPE (--method vipe)", vipe_only),
-            ("--finetune-steps", args.finetune_steps is not None, "ViPE (--method vipe)", vipe_only),
-            ("--ape-shift", args.ape_shift is not None, "APE (--method ape)", [m for m in methods if m != "ape"])):
-        if given and off:
-            raise UsageError(f"{flag} applies to {where} only, not to {', '.join(off)}")
+    not_ape = [m for m in methods if m != "ape"]
+    if args.ape_shift is not None and not_ape:
+        raise UsageError(f"--ape-shift applies to APE (--method ape) only, not to {', '.join(not_ape)}")
     if args.held_out_lengths and not args.eval_every:
         raise UsageError("--held-out-lengths applies with --eval-every N only (the evaluations during training)")
     if args.curriculum and args.task in TASKS:

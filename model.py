@@ -3,7 +3,7 @@
     from model import Model, ModelConfig, baseline
     model = Model(ModelConfig(vocab_size=12, method="rope"), baseline("rope"))
 
-A pre-norm Transformer (SPEC §4): token embedding -> N blocks (norm, attention, residual, norm,
+A pre-norm Transformer (the layer interface below): token embedding -> N blocks (norm, attention, residual, norm,
 MLP, residual) -> norm -> linear head, with optional dropout (`ModelConfig.dropout`) on the embeddings
 and each residual branch. Causal (decoder) or bidirectional (encoder), set by the task.
 An encoding is a `Method`: an attention layer class with the shared interface
@@ -19,7 +19,9 @@ Shapes: B batch, T time, C d_model, H heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +48,31 @@ class ModelConfig:
     opts: dict = field(default_factory=dict)  # options of methods defined in other files
 
 
+def causal_mask(T: int, device) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j (j <= i)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+BACKENDS = ("naive", "torch", "triton")
+
+
+def pick_backend(forced: str | None, name: str, cuda: bool, has_kernel: bool, why: str = "") -> str:
+    """The path a method's dispatcher takes: `forced` (its module's BACKEND) when set, else "triton"
+    on CUDA where a kernel exists and "torch" otherwise (on CUDA with a warning, once, saying why)."""
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(f"unknown BACKEND {forced!r}; use None, 'naive', 'torch' or 'triton'")
+        return forced
+    if cuda and not has_kernel:
+        warn_once(f"{name}: {why}; using the slower PyTorch path")
+    return "triton" if cuda and has_kernel else "torch"
+
+
+@functools.cache
+def warn_once(msg: str):
+    warnings.warn(msg, stacklevel=4)
+
+
 def attend(q, k, v, causal: bool, bias=None, key_mask=None):
     """Softmax attention. q, k: (B, H, T, D); v: (B, H, T, Dv); bias: (H, T, T) added to the
     logits; key_mask: (B, T) bool, True = attend. Uses SDPA's fused kernels when possible."""
@@ -56,7 +83,7 @@ def attend(q, k, v, causal: bool, bias=None, key_mask=None):
     if bias is not None:
         mask = mask + bias.to(q.dtype)[None]
     if causal:
-        mask = mask.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
+        mask = mask.masked_fill(~causal_mask(T, q.device), -math.inf)
     if key_mask is not None:
         mask = mask.masked_fill(~key_mask[:, None, None, :], -math.inf)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -239,7 +266,8 @@ class Method:
     param_groups: Callable | None = None   # optional fn(model, base_lr) -> extra optimiser groups
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
     options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> Opt
-    test_time_s: bool = False      # reads ctx["s"] (ViPE): evaluated under every rule for s
+    final_eval: Callable | None = None   # optional fn(train.Final) -> (rows, extra metrics): the method's
+                                         # own evaluation after training (ViPE: its rules for s)
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:
@@ -278,7 +306,7 @@ class Model(nn.Module):
             self.head.weight = self.embed.weight
 
     def forward(self, x, ctx=None):
-        """x: (B, T) token ids -> logits (B, T, V). ctx: key_mask, slot, s, ... (see SPEC §4)."""
+        """x: (B, T) token ids -> logits (B, T, V). ctx: key_mask, slot, s, ... (see `batch_context`)."""
         ctx = dict(ctx or {})
         ctx.setdefault("tokens", x)
         h = self.embed(x)                                       # (B, T, C)
@@ -293,7 +321,10 @@ class Model(nn.Module):
 
 
 def batch_context(task, batch, device, s: float = 1.0) -> dict:
-    """What the attention layers may read beyond x (SPEC §4), from a tasks.Batch of a tasks.Task."""
+    """What the attention layers may read beyond x, from a tasks.Batch of a tasks.Task: "s" (ViPE's
+    distance compression, 1 in training), "slot" (UPE's uniform slots, with its largest value
+    "slot_max") and "key_mask" (bidirectional batches with padding; True = attend). The model adds
+    "tokens" (the ids)."""
     ctx = {"s": s}
     if batch.slot is not None:
         ctx["slot"] = batch.slot.to(device)

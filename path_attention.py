@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method
+from model import Method, causal_mask, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
@@ -186,19 +185,13 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     logits = full.permute(0, 1, 2, 4, 3, 5).reshape(B, H, Tp, Tp)[:, :, :T, :T]
     if G is not None:
         logits = logits + G[..., :, None] - G[..., None, :]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    logits = logits.masked_fill(~causal, -math.inf)
+    logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
     return (logits.softmax(-1) @ v[:, :, :T].to(logits.dtype)).to(v.dtype)
 
 
 # =============================================================================================
 # Fast path
 # =============================================================================================
-
-@functools.cache
-def _warn_once(msg):
-    warnings.warn(msg, stacklevel=3)
-
 
 def _triton_ok():
     try:
@@ -245,22 +238,10 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
 def path_attention(q, k, v, w, beta, g=None, scale=None):
     """PaTH attention (causal), same contract as `path_attention_naive`. Triton on CUDA, the
     blockwise PyTorch path on CPU; `BACKEND` forces one."""
-    backend = BACKEND
-    if backend is None:
-        if q.is_cuda and _triton_ok() and q.shape[-1] in (16, 32, 64, 128):
-            backend = "triton"
-        else:
-            if q.is_cuda:
-                _warn_once(f"path_attention: no Triton kernel for this input (head dim {q.shape[-1]}, "
-                           f"triton installed: {_triton_ok()}); using the slower PyTorch path")
-            backend = "torch"
-    if backend == "naive":
-        return path_attention_naive(q, k, v, w, beta, g, scale)
-    if backend == "torch":
-        return path_attention_torch(q, k, v, w, beta, g, scale)
-    if backend == "triton":
-        return path_attention_triton(q, k, v, w, beta, g, scale)
-    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
+    backend = pick_backend(BACKEND, "path_attention", q.is_cuda, _triton_ok() and q.shape[-1] in (16, 32, 64, 128),
+                           f"no Triton kernel for head dim {q.shape[-1]} (triton installed: {_triton_ok()})")
+    fn = {"naive": path_attention_naive, "torch": path_attention_torch, "triton": path_attention_triton}[backend]
+    return fn(q, k, v, w, beta, g, scale)
 
 
 # =============================================================================================
@@ -360,8 +341,7 @@ class FoxAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         f = torch.promote_types(x.dtype, torch.float32)
         G = F.logsigmoid(self.gate(x).to(f)).transpose(1, 2).cumsum(-1)            # (B, H, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        bias = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, -math.inf)  # (B, H, T, T)
+        bias = (G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask(T, x.device), -math.inf)  # (B, H, T, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
         return self.out(o.transpose(1, 2).reshape(B, T, C))
 

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from model import Hooks, Method, Model, ModelConfig, Opt, batch_context
+from model import Hooks, Method, Model, ModelConfig, Opt, batch_context, causal_mask, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
 
@@ -121,7 +121,8 @@ def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, ep
     """Same contract as `histogram_scan_naive`. On CUDA (no copy branch) the Triton scan of
     kernels/prism_scan.py: one program per (batch, cursor), forward and backward; otherwise the
     vectorised step in a loop over T (each step needs the last)."""
-    backend = BACKEND or ("triton" if p_reset.is_cuda and p_copy is None else "torch")
+    backend = pick_backend(BACKEND, "histogram_scan", p_reset.is_cuda, p_copy is None,
+                           "no Triton scan with the copy branch")
     if backend == "naive":
         return histogram_scan_naive(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
     if backend == "triton":
@@ -129,9 +130,7 @@ def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, ep
             raise ValueError("the Triton scan has no copy branch; use BACKEND = 'torch'")
         from kernels.prism_scan import histogram_scan_triton
         return histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P, eps)
-    if backend == "torch":
-        return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
-    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
+    return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
 
 
 # =============================================================================================
@@ -285,7 +284,7 @@ class CopyHead(nn.Module):
         B, T, _ = h.shape
         q, k = self.qk(h).float().view(B, T, 2, self.H, self.width).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, w)
         scores = q @ k.transpose(-1, -2) / self.width ** 0.5                               # (B, H, T, T)
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=h.device).tril(), -math.inf)
+        scores = scores.masked_fill(~causal_mask(T, h.device), -math.inf)
         null = self.null(h).float().transpose(1, 2)[..., None]                              # (B, H, T, 1)
         p = torch.cat([scores, null], -1).softmax(-1)                                       # (B, H, T, T + 1)
         bins = (torch.arange(T, device=h.device) + 1).clamp(max=P - 1)                      # key s -> bin s + 1
@@ -398,7 +397,7 @@ class PrismAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):                        # float32, as above
             logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
         if self.causal:
-            logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
+            logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
         if ctx.get("key_mask") is not None:
             logits = logits.masked_fill(~ctx["key_mask"][:, None, None, :], -math.inf)
         return logits.softmax(-1)

@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -79,9 +80,8 @@ def score(logits, y):
 
 
 @torch.no_grad()
-def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None,
-             train_max: int | None = None, batch_size: int = 256, s_rule: str = "per_length",
-             stream: int = 1, tokens_per_batch: int = 2 ** 15, test_max: int | None = None) -> list[dict]:
+def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
+             batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
@@ -89,24 +89,23 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     several lengths share one forward pass, right-padded (exact, as in `Step`), up to
     tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
     tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
-    memory is split in two, a training step beside it is not). ViPE's fixed s uses
-    test_max (default: the longest of `lengths`)."""
+    memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
+    a function of the length (ViPE's rules); each row records its s."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
-    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x)}
-            for L in lengths for vname in (task.variants or {None: {}})]
+    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x),
+             "s": float(s(L) if callable(s) else s)} for L in lengths for vname in (task.variants or {None: {}})]
     counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
 
     def pieces():                                          # (row, s, batch), in the order drawn
         for k, r in enumerate(rows):
             opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
-            s = vipe.compression(s_rule, r["length"], train_max, test_max or max(lengths)) if train_max else 1.0
             for start in range(0, r["n"], batch_size):
                 if every[r["length"]] is None:
-                    yield k, s, task.sample(min(batch_size, n - start), r["length"], rng, **opts)
+                    yield k, r["s"], task.sample(min(batch_size, n - start), r["length"], rng, **opts)
                 else:
-                    yield k, s, every[r["length"]].take(start, start + batch_size)
+                    yield k, r["s"], every[r["length"]].take(start, start + batch_size)
 
     def scores(group):                                     # (examples, 3): exact, right tokens, supervised
         batch = collate([b for _, _, b in group], task.pad_id)
@@ -182,8 +181,6 @@ class TrainConfig:
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
     held_out_lengths: list | None = None  # also evaluated then, on other examples (the UPE paper's rule)
-    s_rule: str = "fixed"             # ViPE's test-time s: fixed | per_length | one (see `compression`)
-    finetune_steps: int = 0           # ViPE: steps trained with the fixed s before the final evaluation
     ckpt_every: int = 500             # write a checkpoint every this many steps
     log_every: float = 5.0            # seconds between progress lines
     device: str = "auto"              # auto | cpu | cuda
@@ -285,7 +282,7 @@ class Step:
 
     def __init__(self, model, fwd, opt, cfg: TrainConfig, task: Task, device: str, s: float = 1.0):
         self.model, self.fwd, self.opt, self.cfg, self.task, self.device = model, fwd, opt, cfg, task, device
-        self.s = s                              # ViPE's compression: 1 in training, the fixed s in fine-tuning
+        self.s = s                              # ctx["s"]: 1 in training (see `finetune`)
         self.pad = cfg.graphs or cfg.compile    # compiled models: a few shapes, so a few compilations
         self.buffers, self.graphs = {}, {}      # padded length -> static (x, y, slot); -> (graph, loss)
         self.pool = None                        # the graphs' memory pool
@@ -472,8 +469,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             last_log, log_step, log_waited = now, step, waited
         if cfg.eval_every and step % cfg.eval_every == 0:
             history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, max(train_lengths), s_rule=cfg.s_rule,
-                                                           stream=stream_id, test_max=max(test_lengths))
+                                                           cfg.task_opts, stream=stream_id)
                                              for key, stream_id, lengths in sets}})
             log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
@@ -489,16 +485,13 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                    "the same command with --resume evaluates it")
 
     train_max = max(train_lengths)
-    ablations = {}                               # ViPE: the other rules for s, before any fine-tuning
-    if METHODS[cfg.method].test_time_s:
-        ablations = {rule: evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts,
-                                    train_max, s_rule=rule) for rule in vipe.S_RULES if rule != cfg.s_rule}
-        if cfg.s_rule == "fixed" and cfg.finetune_steps:
-            finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
-                     vipe.compression("fixed", train_max, train_max, max(test_lengths)))
-            log(f"  fine-tuned {cfg.finetune_steps} steps with s = {max(test_lengths)} / {train_max}")
-    rows = evaluate(model, task, test_lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, train_max,
-                    s_rule=cfg.s_rule)
+    final = Final(cfg.model.opts, train_max, test_lengths, log,
+                  evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
+                                                           cfg.task_opts, s),
+                  finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
+                                                     steps, s))
+    rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
+        else (final.evaluate(test_lengths), {})
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
@@ -510,7 +503,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
     }
-    metrics.update({key: v for key, v in (("eval_ablations", ablations), ("history", history)) if v})
+    metrics.update({key: v for key, v in (*extra.items(), ("history", history)) if v})
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")
@@ -523,13 +516,25 @@ def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: i
     return stream.loader(start, end, cfg.workers)
 
 
-def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, s: float):
-    """ViPE's fine-tuning with compressed distances (the paper's eq. 7): cfg.finetune_steps more
-    steps of the same data stream at the final learning rate, every attention call with s."""
+@dataclass
+class Final:
+    """What a method's own evaluation after training (Method.final_eval) may use: its options, the
+    lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
+    opts: dict
+    train_max: int
+    test_lengths: list
+    log: Callable
+    evaluate: Callable
+    finetune: Callable
+
+
+def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s: float):
+    """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in
+    every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7)."""
     step = Step(model, fwd, opt, cfg, task, device, s=s)
     set_lr(opt, cfg.lr * cfg.min_lr_ratio)
     losses = []
-    for k, batch in enumerate(batches(cfg, task, lengths, cfg.steps, cfg.steps + cfg.finetune_steps)):
+    for k, batch in enumerate(batches(cfg, task, lengths, cfg.steps, cfg.steps + steps)):
         if flag["stop"]:
             raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from the "
                               f"checkpoint at step {cfg.steps} and fine-tunes again")

@@ -35,14 +35,12 @@ Shapes: B batch, H heads, T time, D head dim, K clip distance, M uniform slots.
 """
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 import torch
 import torch.nn as nn
 
-from model import Method, Opt
+from model import Method, Opt, causal_mask, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
@@ -58,7 +56,7 @@ def _mask(logits, key_mask, causal):
     if key_mask is not None:
         logits = logits.masked_fill(~key_mask[:, None, None, :], -math.inf)
     if causal:
-        logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=logits.device).tril(), -math.inf)
+        logits = logits.masked_fill(~causal_mask(T, logits.device), -math.inf)
     return logits
 
 
@@ -110,24 +108,13 @@ def upe_attention(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False
     it never reads outside it."""
     if slot is not None and uni is not None and not slot.is_cuda and slot.max() >= uni.shape[1]:
         raise ValueError(f"slot {int(slot.max())} has no uniform vector (M = {uni.shape[1]})")
-    backend = BACKEND
-    if backend is None:
-        backend = "triton" if q.is_cuda and q.shape[-1] in (16, 32, 64, 128) else "torch"
-        if q.is_cuda and backend == "torch":
-            _warn_once(f"upe_attention: no Triton kernel for head dim {q.shape[-1]}; using the PyTorch path")
-    if backend == "naive":
-        return upe_attention_naive(q, k, v, rel, uni, slot, key_mask, causal)
-    if backend == "torch":
-        return upe_attention_torch(q, k, v, rel, uni, slot, key_mask, causal)
+    backend = pick_backend(BACKEND, "upe_attention", q.is_cuda, q.shape[-1] in (16, 32, 64, 128),
+                           f"no Triton kernel for head dim {q.shape[-1]}")
     if backend == "triton":
-        from kernels.upe_attention import upe_attention_triton
-        return upe_attention_triton(q, k, v, rel, uni, slot, key_mask, causal)
-    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
-
-
-@functools.cache
-def _warn_once(msg):
-    warnings.warn(msg, stacklevel=3)
+        from kernels.upe_attention import upe_attention_triton as fn
+    else:
+        fn = upe_attention_naive if backend == "naive" else upe_attention_torch
+    return fn(q, k, v, rel, uni, slot, key_mask, causal)
 
 
 # =============================================================================================

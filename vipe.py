@@ -1,6 +1,7 @@
 """ViPE: a value-side relative position code with logit rescaling.
 
-Paper: "Dissecting Positional Encoding for Length Generalization" (section 6, eq. 7-9).
+Paper: "Dissecting the Role of Positional Encoding in Length Generalization" (anonymous ICLR 2026
+submission, section 6, eq. 7-9; no arXiv version: https://openreview.net/forum?id=bppDDqbO3V).
 
 With n the 1-based query position, i <= n the key position, and the base logit
 l_ni = q_n . k_i / sqrt(D):
@@ -39,7 +40,9 @@ Usage:
     layer = ViPEAttention(cfg)                       # reads ctx["s"] (default 1)
 
 Options (cfg.opts, from `--method-opt`): vipe_mode = "both" | "value" (the value code alone, no
-rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8).
+rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8); vipe_s, the
+rule for s beyond the training lengths, and vipe_finetune, the steps trained with the fixed s
+before the test (see `final_evaluation`).
 
 Shapes: B batch, H heads, T time, D query/key head dim, Dv value head dim, d_p code width.
 """
@@ -51,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method, Opt
+from model import Method, Opt, causal_mask, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
@@ -73,8 +76,7 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
     if rescale:
         lam = s * torch.log(n)[:, None] * (1 + (k * u[:, None, :]).sum(-1))[..., None, :]  # (B, H, T, T)
         logits = lam * logits
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    a = logits.masked_fill(~causal, -math.inf).softmax(-1)                 # (B, H, T, T)
+    a = logits.masked_fill(~causal_mask(T, q.device), -math.inf).softmax(-1)                 # (B, H, T, T)
     dist = (n[:, None] - n[None, :]) / s                                    # (T, T) compressed n - i
     codes = dist[None, :, :, None] * w_p[:, None, None, :] + b_p[:, None, None, :]  # (H, T, T, d_p)
     pos = torch.einsum("bhni,hnip->bhnp", a, codes)                         # (B, H, T, d_p)
@@ -137,30 +139,46 @@ def vipe_attention_triton(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = 
 def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
     """ViPE attention, same contract as `vipe_attention_naive` (exact, see the module docstring).
     Triton around SDPA on CUDA (float32 and 16-bit), the PyTorch ops elsewhere."""
-    backend = BACKEND
-    if backend is None:
-        backend = "triton" if q.is_cuda and q.dtype != torch.float64 else "torch"
-    if backend == "naive":
-        return vipe_attention_naive(q, k, v, u, w_p, b_p, s, rescale)
-    if backend == "torch":
-        return vipe_attention_torch(q, k, v, u, w_p, b_p, s, rescale)
-    if backend == "triton":
-        return vipe_attention_triton(q, k, v, u, w_p, b_p, s, rescale)
-    raise ValueError(f"unknown BACKEND {backend!r}; use None, 'naive', 'torch' or 'triton'")
+    backend = pick_backend(BACKEND, "vipe_attention", q.is_cuda, q.dtype != torch.float64, "float64 inputs")
+    fn = {"naive": vipe_attention_naive, "torch": vipe_attention_torch, "triton": vipe_attention_triton}[backend]
+    return fn(q, k, v, u, w_p, b_p, s, rescale)
 
 
 # =============================================================================================
-# The test-time factor s
+# The test-time factor s, and ViPE's evaluation after training
 # =============================================================================================
 
 S_RULES = ("fixed", "per_length", "one")
+S_TEXT = {"fixed": "s = L_test_max / L_train_max", "per_length": "s = L / L_train_max per length", "one": "s = 1"}
 
 
 def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
-    """ViPE's test-time factor s (SPEC 7.3): "fixed" s = test_max / train_max for every length (the
-    paper's eq. 7, after a short fine-tuning with it), "per_length" s = max(1, L / train_max),
-    "one" s = 1. train.py passes it to every layer in ctx["s"]; encodings other than ViPE ignore it."""
+    """ViPE's test-time factor s at length L: "fixed" s = test_max / train_max at every length
+    beyond training (the paper's eq. 7, after a short fine-tuning with it), "per_length"
+    s = max(1, L / train_max), "one" s = 1. Passed to every layer in ctx["s"]; other encodings
+    ignore it."""
     return {"fixed": max(1.0, test_max / train_max), "per_length": max(1.0, L / train_max), "one": 1.0}[rule]
+
+
+def final_evaluation(run) -> tuple[list[dict], dict]:
+    """ViPE after training (Method.final_eval; `run` is a train.Final). Its rows: the training
+    lengths at s = 1, the model as trained (the paper's bar: in-distribution accuracy), and the
+    longer lengths under the rule `vipe_s` (default "fixed": after `vipe_finetune` steps trained with
+    s = L_test_max / L_train_max). Beside them, under "eval_ablations", every other rule at every
+    length before any fine-tuning, each named by its s."""
+    rule, steps = run.opts.get("vipe_s", "fixed"), run.opts.get("vipe_finetune", 0)
+    top, test_max = run.train_max, max(run.test_lengths)
+    rules = {r: (lambda L, r=r: compression(r, L, top, test_max)) for r in S_RULES}
+    before = {r: run.evaluate(run.test_lengths, rules[r]) for r in S_RULES if r == "one" or r != rule}
+    after = before.get(rule)
+    if after is None:                                     # the rule beyond training: fine-tune, then test
+        if steps:
+            run.finetune(steps, compression(rule, test_max, top, test_max))
+            run.log(f"  fine-tuned {steps} steps with s = {test_max} / {top}")
+        after = run.evaluate([L for L in run.test_lengths if L > top], rules[rule])
+    rows = [r for r in before["one"] if r["length"] <= top] + [r for r in after if r["length"] > top]
+    ablations = {S_TEXT[r] + ", no fine-tuning": rows_ for r, rows_ in before.items() if r != rule}
+    return rows, {"eval_ablations": ablations}
 
 
 # =============================================================================================
@@ -170,8 +188,8 @@ def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
 class ViPEAttention(nn.Module):
     """Causal multi-head ViPE attention. The value head has D - 1 channels (so v (+) i is D wide for
     SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. It uses
-    ctx["s"] as given (default 1): train.py passes 1 in training, the fixed s = L_test_max /
-    L_train_max in the fine-tuning stage, and at evaluation the s of the run's rule (`compression`)."""
+    ctx["s"] as given (default 1): 1 in training, the fixed s = L_test_max / L_train_max in the
+    fine-tuning stage, and at evaluation the s of the run's rule (`final_evaluation`)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -200,7 +218,12 @@ class ViPEAttention(nn.Module):
         return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
-VIPE = Method(ViPEAttention, causal_only=True, test_time_s=True,
+VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,
               options={"vipe_mode": Opt(str, "both, value (the code alone) or scale (the rescaling alone) "
                                              "(default both)", choices=MODES),
-                       "vipe_dp": Opt(int, "code width d_p (default 8)", 1)})
+                       "vipe_dp": Opt(int, "code width d_p (default 8)", 1),
+                       "vipe_s": Opt(str, "the test-time s beyond the training lengths: fixed "
+                                          "(L_test_max / L_train_max), per_length (L / L_train_max) or one "
+                                          "(default fixed)", choices=S_RULES),
+                       "vipe_finetune": Opt(int, "with vipe_s=fixed: steps trained with that s before the "
+                                                 "test (default 0)", 0)})

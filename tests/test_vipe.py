@@ -176,8 +176,9 @@ def test_the_three_rules_for_s():
 
 
 def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
-    """A ViPE run with s_rule=fixed: s = 1 in training, the other two rules evaluated first (s per
-    length, then 1), then finetune_steps steps with s = 48 / 16 = 3, then the test with s = 3.
+    """A ViPE run with vipe_s=fixed: s = 1 in training, the other two rules evaluated first at every
+    length (s per length, then s = 1), then vipe_finetune steps with s = 48 / 16 = 3, then the lengths
+    beyond training with s = 3. The run's rows: length 8 at s = 1 (before fine-tuning), 48 at s = 3.
     The layer records every s it sees, in training and in evaluation."""
     import cli
     import train
@@ -188,7 +189,7 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
         seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
         return real(self, x, ctx)
     monkeypatch.setattr(ViPEAttention, "forward", spy)
-    run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, finetune_steps=3,
+    run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, opts={"vipe_finetune": 3},
                                d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=2,
                                train_lengths=[16], test_lengths=[8, 48], out=str(tmp_path)), "cpu")
     metrics = train.train(run, log=lambda *_: None)
@@ -196,10 +197,13 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
     assert trained == [1.0] * 4 + [3.0] * 3                     # 1 layer: one call per step
     tested = [(T, s) for training, T, s in seen if not training]
     T8, T48 = 2 * 8 + 2, 2 * 48 + 2                              # [BoS] x [EoI] y: tokens per length
-    # per length: one pass per length; s = 1 and the fixed s: both lengths share one padded pass
+    # per length: one pass per length (s differs); s = 1: both lengths share one padded pass; fixed: 48 only
     assert tested == [(T8, 1.0), (T48, 3.0), (T48, 1.0), (T48, 3.0)]
-    assert set(metrics["eval_ablations"]) == {"per_length", "one"}
-    assert [r["length"] for r in metrics["eval_ablations"]["one"]] == [8, 48]
+    assert set(metrics["eval_ablations"]) == {"s = 1, no fine-tuning", "s = L / L_train_max per length, no fine-tuning"}
+    assert [(r["length"], r["s"]) for r in metrics["eval_ablations"]["s = 1, no fine-tuning"]] == [(8, 1.0), (48, 1.0)]
+    assert [(r["length"], r["s"]) for r in metrics["eval"]] == [(8, 1.0), (48, 3.0)]
+    one = metrics["eval_ablations"]["s = 1, no fine-tuning"][0]
+    assert (metrics["eval"][0]["exact"], metrics["eval"][0]["token"]) == (one["exact"], one["token"])
 
 
 def test_layer_modes():

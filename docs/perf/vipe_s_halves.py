@@ -55,8 +55,7 @@ def undo(model, s: float, distances: bool, logits: bool):
 
 def exact(model, task, cfg, lengths, s: float) -> dict:
     """Exact match per length with every layer at s (the "fixed" rule with test_max = 16 s)."""
-    rows = train.evaluate(model, task, lengths, N, 0, "cpu", cfg.task_opts, TRAIN_MAX, s_rule="fixed",
-                          test_max=round(TRAIN_MAX * s))
+    rows = train.evaluate(model, task, lengths, N, 0, "cpu", cfg.task_opts, s=lambda L: s if L > TRAIN_MAX else 1.0)
     return {r["length"]: r["exact"] for r in rows}
 
 

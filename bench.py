@@ -128,7 +128,7 @@ def vipe_cases(B, H, T, D, dtype):
 
 
 def upe_cases(B, H, T, D, dtype, K=256, M=3):
-    """UPE as in SPEC 8: bidirectional, clip K = 256, 3 uniform slots (the first keys)."""
+    """UPE at the speed target's shape: bidirectional, clip K = 256, 3 uniform slots (the first keys)."""
     import upe
 
     dev = DEVICE

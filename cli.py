@@ -12,7 +12,7 @@ options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print th
 runs configs one after another or `--jobs` at once in their own processes; `reproduce` runs the
 headline experiments of experiments.py and writes their tables and figures.
 
-(A file beyond SPEC section 2's list: train.py keeps the loop, evaluation, checkpoints and the
+(A file of its own so that train.py keeps the loop, evaluation, checkpoints and the
 method registry, and stays short enough to read in one sitting.)
 """
 from __future__ import annotations

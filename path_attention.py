@@ -1,7 +1,7 @@
 """PaTH attention: position encoding by accumulated, data-dependent Householder transforms.
 
 Paper: "PaTH Attention: Position Encoding via Accumulating Householder Transformations"
-(Yang et al., 2025), sections 2-3. Also here: the Forgetting Transformer's gate (FoX, Lin et al.
+(Yang et al., 2025; arXiv:2505.16381), sections 2-3. Also here: the Forgetting Transformer's gate (FoX, Lin et al.
 2025) as a baseline and combined with PaTH (PaTH-FoX).
 
 The logit between query i and key j <= i is

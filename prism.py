@@ -1,6 +1,7 @@
 """PRISM: positions as probability distributions, tracked by a differentiable histogram filter.
 
-Paper: "Position as Probability: ..." (PRISM), sections 4-6 and Algorithms 1-4 (appendix C).
+Paper: "Position as Probability: Self-Supervised Transformers that Think Past Their Training for
+Length Extrapolation" (Lee, 2025; arXiv:2506.00920), sections 4-6 and Algorithms 1-4 (appendix C).
 
 Each cursor c keeps a histogram h_t over P position bins. Token t's gates move it (Algorithm 1),
 with S = sum_i h[i] the mass:

@@ -553,12 +553,6 @@ class AddCoT(Task):
         return self.lm_arrays(seq, (t >= p0[:, None]) & (t <= end[:, None]), length)
 
 
-def _uniform_with_digits(rng: np.random.Generator, k: int) -> int:
-    """Uniform integer with exactly k decimal digits (0..9 for k = 1)."""
-    first = rng.integers(0 if k == 1 else 1, 10)
-    return int(str(first) + "".join(map(str, rng.integers(0, 10, size=k - 1))))
-
-
 class MulCoT(Task):
     """Multiplication written as a program-like chain of thought (PRISM Table 4). Causal.
 

@@ -1,6 +1,7 @@
 """RPE (Shaw et al. 2018) and UPE: pairwise key-side position vectors for arithmetic.
 
-Paper: "Structural symmetry in arithmetic: uniform position encoding" (sections 2-3, eq. 2.1, 3.3).
+Paper: "Explicitly Encoding Structural Symmetry is Key to Length Generalization in Arithmetic Tasks"
+(Sabbaghi et al., 2024; arXiv:2406.01895), sections 2-3, eq. 2.1, 3.3.
 
 Bidirectional attention where each (query i, key j) pair adds a vector to the key:
 

@@ -1,0 +1,62 @@
+"""The measurement scripts of docs/perf run against the code as it is: each one on a tiny trained
+run (or, for the GPU profiler, its imports and option parsing), so that a change of the loop's or a
+method's interface that breaks one of them fails here rather than the next time someone measures."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_run(tmp_path, **values) -> Path:
+    cfg = cli.make_config({"device": "cpu", "steps": 3, "batch_size": 4, "n_eval": 2, "d_model": 16,
+                           "n_layers": 1, "n_heads": 1, "out": str(tmp_path), **values}, "cpu")
+    train.train(cfg, log=lambda *_: None)
+    return cfg.run_dir()
+
+
+def script(name: str, *args) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / name), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_vipe_s_halves_runs_on_a_trained_model(tmp_path):
+    run = tiny_run(tmp_path, task="parity", method="vipe", train_lengths=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                          13, 14, 15, 16])
+    out = script("vipe_s_halves.py", run)
+    bands = [re.findall(r"\d\.\d{3}", line) for line in out.splitlines() if line.startswith("  ")]
+    assert [len(b) for b in bands] == [3] * 4 + [2] * 4, out   # four halves; three bands, then two
+    assert all(0.0 <= float(x) <= 1.0 for b in bands for x in b), out
+
+
+def test_prism_cot_errors_runs_on_a_trained_model(tmp_path):
+    run = tiny_run(tmp_path, task="add_cot", method="prism", train_lengths=[1, 2, 3])
+    out = script("prism_cot_errors.py", run, "2,4", 8)
+    for L in (2, 4):
+        assert f"length {L}: 8 examples, exact " in out, out
+
+
+def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import path_profile
+    finally:
+        sys.path.pop(0)
+    missing = [name for name in path_profile.TRITON_KERNELS if not hasattr(path_profile.kp, name)]
+    assert not missing, f"path_profile.py times kernels that kernels/path_attention.py lacks: {missing}"
+    for name in ("launch", "UT_WARPS", "CHUNK"):                 # the settings its sweeps patch
+        assert hasattr(path_profile.kp, name), name
+    args = path_profile.inputs(1, 2, 9, 16, torch.float32, True, device="cpu")
+    path_profile.step_fn(path_profile.pa.path_attention, args)()   # fwd + bwd through its own inputs
+    assert all(a.grad is None for a in args if a is not None)     # autograd.grad, not .backward()

@@ -213,6 +213,8 @@ def numeric_checks(cfg: TrainConfig):
             ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
             ("--weight-decay", cfg.weight_decay, 0 <= cfg.weight_decay < math.inf, ">= 0 and finite"),
             ("--beta2", cfg.beta2, 0 <= cfg.beta2 < 1, "in [0, 1)"),
+            ("--adam-eps", cfg.adam_eps, 0 < cfg.adam_eps < math.inf, "> 0 and finite"),
+            ("--precision", cfg.precision, cfg.precision in ("bf16", "fp32"), "bf16 or fp32"),
             ("--dropout", m.dropout, 0 <= m.dropout < 1, "in [0, 1)"),
             ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
@@ -533,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--beta2", type=float, help="AdamW's second-moment decay (default 0.999)")
+    g.add_argument("--adam-eps", type=float, help="AdamW's epsilon (default 1e-8)")
+    g.add_argument("--precision", choices=("bf16", "fp32"), help="CUDA: bf16 autocast (default) or float32 "
+                   "throughout; the CPU always runs float32")
     g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
     g = p.add_argument_group("data and evaluation")
     g.add_argument("--train-lengths", help="e.g. 1-16 or 5,10,20")
@@ -625,6 +630,7 @@ def run_cli(args) -> int:
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   warmup=args.warmup, weight_decay=args.weight_decay, beta2=args.beta2, dropout=args.dropout,
+                  adam_eps=args.adam_eps, precision=args.precision,
                   curriculum=args.curriculum,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),

@@ -58,11 +58,14 @@ BACKENDS = ("naive", "torch", "triton")
 
 def pick_backend(forced: str | None, name: str, cuda: bool, has_kernel: bool, why: str = "") -> str:
     """The path a method's dispatcher takes: `forced` (its module's BACKEND) when set, else "triton"
-    on CUDA where a kernel exists and "torch" otherwise (on CUDA with a warning, once, saying why)."""
+    on CUDA where a kernel exists and "torch" otherwise (on CUDA with a warning, once, saying why).
+    Under `largest_logits` "torch", whose logits can be read."""
     if forced is not None:
         if forced not in BACKENDS:
             raise ValueError(f"unknown BACKEND {forced!r}; use None, 'naive', 'torch' or 'triton'")
         return forced
+    if _probe is not None:
+        return "torch"
     if cuda and not has_kernel:
         warn_once(f"{name}: {why}; using the slower PyTorch path")
     return "triton" if cuda and has_kernel else "torch"
@@ -73,11 +76,52 @@ def warn_once(msg: str):
     warnings.warn(msg, stacklevel=4)
 
 
+# The logit probe: the largest attention logit of each attention call in one forward pass, the
+# first thing to grow when a run is about to blow up. Each method's PyTorch path reports its logits
+# (`note_logits`, or `sdpa` in place of F.scaled_dot_product_attention); `largest_logits` runs it.
+_probe: list | None = None
+
+
+def note_logits(logits):
+    """Reports one attention call's logits (..., Tq, Tk), -inf where masked, to `largest_logits`."""
+    if _probe is not None:
+        x = logits.detach().float()
+        _probe.append(float(x.masked_fill(~torch.isfinite(x), 0).abs().amax()))
+
+
+def sdpa(q, k, v, attn_mask=None, is_causal: bool = False, scale: float | None = None):
+    """F.scaled_dot_product_attention, which also reports its logits to `largest_logits`."""
+    if _probe is not None:
+        logits = q.float() @ k.float().mT * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if attn_mask is not None:
+            logits = logits.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool \
+                else logits + attn_mask.float()
+        if is_causal:
+            logits = logits.masked_fill(~causal_mask(q.shape[-2], q.device), -math.inf)
+        note_logits(logits)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+@torch.no_grad()
+def largest_logits(model, x, ctx=None) -> list[float]:
+    """The largest |attention logit| of each attention call of one forward pass of `model` (in eval
+    mode, every method on its PyTorch path), in the order of the calls."""
+    global _probe
+    was, _probe = model.training, []
+    model.eval()
+    try:
+        model(x, ctx)
+        return _probe
+    finally:
+        _probe = None
+        model.train(was)
+
+
 def attend(q, k, v, causal: bool, bias=None, key_mask=None):
     """Softmax attention. q, k: (B, H, T, D); v: (B, H, T, Dv); bias: (H, T, T) added to the
     logits; key_mask: (B, T) bool, True = attend. Uses SDPA's fused kernels when possible."""
     if bias is None and key_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return sdpa(q, k, v, is_causal=causal)
     T = q.shape[-2]
     mask = torch.zeros(1, 1, T, T, device=q.device, dtype=q.dtype)  # (1, 1, T, T) additive
     if bias is not None:
@@ -86,7 +130,7 @@ def attend(q, k, v, causal: bool, bias=None, key_mask=None):
         mask = mask.masked_fill(~causal_mask(T, q.device), -math.inf)
     if key_mask is not None:
         mask = mask.masked_fill(~key_mask[:, None, None, :], -math.inf)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, k, v, attn_mask=mask)
 
 
 def rotary(x, base: float):

@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method, causal_mask, pick_backend
+from model import Method, causal_mask, note_logits, pick_backend, sdpa
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
@@ -186,6 +186,7 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     if G is not None:
         logits = logits + G[..., :, None] - G[..., None, :]
     logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
+    note_logits(logits)
     return (logits.softmax(-1) @ v[:, :, :T].to(logits.dtype)).to(v.dtype)
 
 
@@ -342,7 +343,7 @@ class FoxAttention(nn.Module):
         f = torch.promote_types(x.dtype, torch.float32)
         G = F.logsigmoid(self.gate(x).to(f)).transpose(1, 2).cumsum(-1)            # (B, H, T)
         bias = (G[..., :, None] - G[..., None, :]).masked_fill(~causal_mask(T, x.device), -math.inf)  # (B, H, T, T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+        o = sdpa(q, k, v, attn_mask=bias.to(q.dtype))
         return self.out(o.transpose(1, 2).reshape(B, T, C))
 
 

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from model import Hooks, Method, Model, ModelConfig, Opt, batch_context, causal_mask, pick_backend
+from model import Hooks, Method, Model, ModelConfig, Opt, batch_context, causal_mask, note_logits, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
 
@@ -401,6 +401,7 @@ class PrismAttention(nn.Module):
             logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
         if ctx.get("key_mask") is not None:
             logits = logits.masked_fill(~ctx["key_mask"][:, None, None, :], -math.inf)
+        note_logits(logits)
         return logits.softmax(-1)
 
 

@@ -36,7 +36,7 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context
+from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context, largest_logits
 from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, collate
 
 # Every position encoding by name: one line each. A new encoding is a Method in its own file
@@ -81,7 +81,8 @@ def score(logits, y):
 
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
-             batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15) -> list[dict]:
+             batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15,
+             precision: str = "bf16") -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
@@ -109,7 +110,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
 
     def scores(group):                                     # (examples, 3): exact, right tokens, supervised
         batch = collate([b for _, _, b in group], task.pad_id)
-        with autocast(device):
+        with autocast(device, precision):
             logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
         return torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()
 
@@ -151,10 +152,12 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     return rows
 
 
-def autocast(device):
-    """bf16 on CUDA (without the weight-cast cache, which a CUDA graph cannot hold), off on the CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if str(device).startswith("cuda") \
-        else torch.autocast("cpu", enabled=False)
+def autocast(device, precision: str = "bf16"):
+    """bf16 autocast on CUDA (without the weight-cast cache, which a CUDA graph cannot hold) unless
+    precision is "fp32"; off on the CPU."""
+    on = str(device).startswith("cuda") and precision == "bf16"
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if on \
+        else torch.autocast(str(device).split(":")[0], enabled=False)
 
 
 # =============================================================================================
@@ -171,6 +174,8 @@ class TrainConfig:
     lr: float = 1e-3                  # peak learning rate (AdamW)
     weight_decay: float = 0.01        # AdamW weight decay
     beta2: float = 0.999              # AdamW's second-moment decay (its first is 0.9)
+    adam_eps: float = 1e-8            # AdamW's epsilon (added to the root of the second moment)
+    precision: str = "bf16"           # on CUDA: bf16 (autocast) | fp32 (no autocast); the CPU runs fp32
     warmup: int = 100                 # linear warm-up steps, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1         # final learning rate as a fraction of the peak
     grad_clip: float = 1.0            # global gradient-norm clip
@@ -292,7 +297,7 @@ class Step:
         from x, so that a CUDA graph recomputes it for every batch."""
         if self.pad and not self.task.causal:
             ctx = {**ctx, "key_mask": x != self.task.pad_id}
-        with autocast(self.device):
+        with autocast(self.device, self.cfg.precision):
             logits = self.fwd(x, ctx)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         loss.backward()
@@ -355,7 +360,7 @@ def make_optimizer(model, cfg: TrainConfig, device: str):
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}] + groups, lr=cfg.lr,
-                            betas=(0.9, cfg.beta2), fused=cuda, capturable=cuda)
+                            betas=(0.9, cfg.beta2), eps=cfg.adam_eps, fused=cuda, capturable=cuda)
     for g in opt.param_groups:
         g["lr_scale"] = g.get("lr", cfg.lr) / cfg.lr  # extra groups keep their ratio to the base lr
         if cuda:
@@ -391,6 +396,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     opt = make_optimizer(model, cfg, device)
     step, losses, wall = 0, [], 0.0
     history = []    # evaluations during training: {"step", "eval" (test set), "held_out" (other examples)}
+    logit_max = []  # at each checkpoint: [step, the largest |attention logit| of each attention call]
     sets = [("eval", 1, test_lengths)] + ([("held_out", 2, cfg.held_out_lengths)] if cfg.held_out_lengths else [])
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
@@ -402,6 +408,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
         step, losses, wall, history = ckpt["step"], ckpt["losses"], ckpt["wall"], ckpt.get("history", [])
+        logit_max = ckpt.get("logit_max", [])
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = torch.compile(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
@@ -415,7 +422,14 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
                      "torch_rng": torch.get_rng_state(),
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-                     "step": step, "losses": losses, "wall": wall, "history": history}, cfg.run_dir() / CKPT)
+                     "step": step, "losses": losses, "wall": wall, "history": history, "logit_max": logit_max},
+                    cfg.run_dir() / CKPT)
+
+    probe = task.sample(16, max(train_lengths), np.random.default_rng([cfg.seed, 3]), **cfg.task_opts)
+
+    def probe_logits():      # on the same 16 training sequences each time (their own generator)
+        with autocast(device, cfg.precision):
+            return largest_logits(model, probe.x.to(device), batch_context(task, probe, device))
 
     model.train()
     t0, last_log, log_step = time.time() - wall, time.time(), step
@@ -459,21 +473,25 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         step += 1
         if device == "cpu" or len(pending) >= 50:
             flush()
+        at_checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+        if at_checkpoint:
+            flush()   # never checkpoint (or probe) weights that a NaN step has touched
+            logit_max.append([step, probe_logits()])
         now = time.time()
         if now - last_log >= cfg.log_every or step == cfg.steps:
             flush()
             rate = (step - log_step) / (now - last_log)
             log(f"  step {step:>6}/{cfg.steps} | loss {losses[-1][1]:.4f} | lr {lr_at(step - 1, cfg):.2e} | "
                 f"{rate:6.1f} steps/s | data wait {100 * (waited - log_waited) / (now - last_log):.0f}% | "
-                f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}")
+                f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}"
+                + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
             last_log, log_step, log_waited = now, step, waited
         if cfg.eval_every and step % cfg.eval_every == 0:
             history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, stream=stream_id)
+                                                           cfg.task_opts, stream=stream_id, precision=cfg.precision)
                                              for key, stream_id, lengths in sets}})
             log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            flush()   # never checkpoint weights that a NaN step has touched
+        if at_checkpoint:
             wall = time.time() - t0
             checkpoint()
     wall, loop = time.time() - t0, time.time() - mark[1]
@@ -487,7 +505,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     train_max = max(train_lengths)
     final = Final(cfg.model.opts, train_max, test_lengths, log,
                   evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, s),
+                                                           cfg.task_opts, s, precision=cfg.precision),
                   finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
                                                      steps, s))
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
@@ -503,7 +521,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
         "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
     }
-    metrics.update({key: v for key, v in (*extra.items(), ("history", history)) if v})
+    metrics.update({key: v for key, v in (*extra.items(), ("history", history), ("logit_max", logit_max)) if v})
     out = cfg.run_dir()
     save_atomic(model.state_dict(), out / "model.pt")
     save_atomic(metrics, out / "metrics.json")

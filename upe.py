@@ -41,7 +41,7 @@ import math
 import torch
 import torch.nn as nn
 
-from model import Method, Opt, causal_mask, pick_backend
+from model import Method, Opt, causal_mask, note_logits, pick_backend
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 
@@ -97,7 +97,9 @@ def upe_logits(q, k, rel, uni=None, slot=None):
 
 def upe_attention_torch(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
     """The CPU path: memory O(T (K + M + T)) per head (the tables and the logits)."""
-    return _mask(upe_logits(q, k, rel, uni, slot), key_mask, causal).softmax(-1) @ v
+    logits = _mask(upe_logits(q, k, rel, uni, slot), key_mask, causal)          # (B, H, T, T)
+    note_logits(logits)
+    return logits.softmax(-1) @ v
 
 
 def upe_attention(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):

@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method, Opt, causal_mask, pick_backend
+from model import Method, Opt, causal_mask, pick_backend, sdpa
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
@@ -102,7 +102,7 @@ def attention_with_mean_position(q, k, v, scale: float):
     idx = torch.arange(T, device=v.device, dtype=v.dtype).expand(B, H, T)[..., None]  # (B, H, T, 1)
     vi = F.pad(torch.cat([v, idx], dim=-1), (0, width - Dv - 1))            # (B, H, T, width)
     q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))               # (B, H, T, width)
-    out = F.scaled_dot_product_attention(q, k, vi, is_causal=True, scale=scale)
+    out = sdpa(q, k, vi, is_causal=True, scale=scale)
     return out[..., :Dv], out[..., Dv]
 
 

@@ -1,6 +1,7 @@
 """The measurement scripts of docs/perf run against the code as it is: each one on a tiny trained
 run (or, for the GPU profiler, its imports and option parsing), so that a change of the loop's or a
 method's interface that breaks one of them fails here rather than the next time someone measures."""
+import json
 import os
 import re
 import subprocess
@@ -60,3 +61,14 @@ def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
     args = path_profile.inputs(1, 2, 9, 16, torch.float32, True, device="cpu")
     path_profile.step_fn(path_profile.pa.path_attention, args)()   # fwd + bwd through its own inputs
     assert all(a.grad is None for a in args if a is not None)     # autograd.grad, not .backward()
+
+
+def test_vipe_stability_records_every_interval(tmp_path):
+    out = tmp_path / "run.jsonl"
+    script("vipe_stability.py", out, "method=vipe", "task=parity", "steps=6", "d_model=16", "n_heads=1",
+           "batch_size=4", "weight_decay=0", "--every", 2, "--eval-every", 6)
+    head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert head["config"]["method"] == "vipe" and [r["step"] for r in recs] == [2, 4, 6]
+    assert all(len(r["logit"]) == 2 and len(r["u_norm"]) == 2 and r["grad"] > 0 for r in recs)
+    assert all(r["loss_min"] <= r["loss_mean"] <= r["loss_max"] for r in recs)
+    assert "exact_1_16" in recs[-1] and "exact_1_16" not in recs[0]

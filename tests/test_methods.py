@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import cli
 import train
-from model import Method, Model, ModelConfig
+from model import Method, Model, ModelConfig, largest_logits
 from tasks import IGNORE, TASKS, TrainBatches, sample_mixed
 
 METHODS = list(train.METHODS)
@@ -175,3 +175,34 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts):
     far = {name: (eager, moved[1][name]) for name, eager in moved[0].items()
            if eager > 0 and not 0.5 < moved[1][name] / eager < 2}
     assert not far, far
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_logit_probe_hears_every_attention_layer(method):
+    """largest_logits reports a finite, positive value per attention call, at least one per block,
+    for every encoding (a method whose PyTorch path does not report its logits fails here), and
+    leaves the model in training mode."""
+    model = tiny_model(method)
+    values = largest_logits(model, torch.randint(0, 10, (2, 12)))
+    assert len(values) >= model.cfg.n_layers and all(0 < v < float("inf") for v in values), values
+    assert model.training
+
+
+def test_the_logit_probe_reads_vipes_rescaled_logits():
+    """ViPE's probe value is the largest |s log(n) (1 + u.k_i) q_n.k_i / sqrt(D)| over i <= n, the
+    logit written out from the layer's own q and k (with a key factor u that matters)."""
+    model = tiny_model("vipe")
+    layer = model.blocks[0].attn
+    with torch.no_grad():
+        layer.u.normal_()
+    seen = {}
+    hook = layer.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    first = largest_logits(model, torch.randint(0, 10, (2, 12)))[0]
+    hook.remove()
+    B, T, _ = seen["x"].shape
+    with torch.no_grad():
+        q, k = layer.qk(seen["x"]).view(B, T, 2, layer.H, layer.D).permute(2, 0, 3, 1, 4)   # 2 x (B, H, T, D)
+        lam = torch.log(torch.arange(1, T + 1.0))[:, None] * (1 + (k * layer.u[:, None]).sum(-1))[..., None, :]
+        logits = lam * (q @ k.mT) / layer.D ** 0.5                                          # (B, H, T, T)
+    want = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0).abs().max()
+    assert first == pytest.approx(float(want), rel=1e-5)

@@ -12,7 +12,7 @@ import experiments
 import tasks
 import train
 from tasks import IGNORE, TASKS, sample_mixed
-from model import AlibiBias, ModelConfig, T5Bias, attend, rotary
+from model import AlibiBias, ModelConfig, T5Bias, attend, largest_logits, rotary
 from cli import main, make_config
 from train import TrainConfig, build_model, evaluate, score, summary_line
 
@@ -191,6 +191,22 @@ def test_train_writes_metrics_and_model(tmp_path):
     model = build_model(ModelConfig(**saved["config"]["model"]))
     model.load_state_dict(state)
     assert not list(out.glob("*.tmp"))
+
+
+def test_the_largest_logit_is_logged_at_every_checkpoint(tmp_path):
+    """metrics["logit_max"]: [step, one value per attention call] at each checkpoint (every 5 steps
+    here), the same values the probe gives for the saved model at the end, and the progress line
+    shows the latest."""
+    cfg = tiny_config(tmp_path, log_every=0.0)
+    lines = []
+    metrics = train.train(cfg, log=lines.append)
+    assert [s for s, _ in metrics["logit_max"]] == [5, 10, 15, 20]
+    model = build_model(cfg.model)
+    model.load_state_dict(torch.load(cfg.run_dir() / "model.pt"))
+    probe = TASKS["copy"].sample(16, 3, np.random.default_rng([0, 3]))
+    assert metrics["logit_max"][-1][1] == pytest.approx(largest_logits(model, probe.x), rel=1e-6)
+    assert metrics["logit_max"][0][1] != metrics["logit_max"][-1][1]          # it follows the training
+    assert f"logit max {max(metrics['logit_max'][-1][1]):.3g}" in [x for x in lines if "step     20/" in x][0]
 
 
 def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model
 import vipe
 from model import ModelConfig
 from cli import main
@@ -186,7 +187,8 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
     real = ViPEAttention.forward
 
     def spy(self, x, ctx=None):
-        seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
+        if model._probe is None:                                 # not the loop's logit probe
+            seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
         return real(self, x, ctx)
     monkeypatch.setattr(ViPEAttention, "forward", spy)
     run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, opts={"vipe_finetune": 3},

@@ -535,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--beta2", type=float, help="AdamW's second-moment decay (default 0.999)")
-    g.add_argument("--adam-eps", type=float, help="AdamW's epsilon (default 1e-8)")
+    g.add_argument("--adam-eps", type=float, help="AdamW's epsilon (default 1e-6)")
     g.add_argument("--precision", choices=("bf16", "fp32"), help="CUDA: bf16 autocast (default) or float32 "
                    "throughout; the CPU always runs float32")
     g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")

@@ -174,7 +174,8 @@ class TrainConfig:
     lr: float = 1e-3                  # peak learning rate (AdamW)
     weight_decay: float = 0.01        # AdamW weight decay
     beta2: float = 0.999              # AdamW's second-moment decay (its first is 0.9)
-    adam_eps: float = 1e-8            # AdamW's epsilon (added to the root of the second moment)
+    adam_eps: float = 1e-6            # AdamW's epsilon; above PyTorch's 1e-8 so that a run whose loss has
+                                      # gone to ~1e-9 takes no steps of many lr (docs/perf/vipe.md, "Long runs")
     precision: str = "bf16"           # on CUDA: bf16 (autocast) | fp32 (no autocast); the CPU runs fp32
     warmup: int = 100                 # linear warm-up steps, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1         # final learning rate as a fraction of the peak
@@ -511,6 +512,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
         else (final.evaluate(test_lengths), {})
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
+    stride = max(1, len(losses) // 500)                    # at most about 1000 of the losses kept
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
         "git": commit, "device": device_name(device), "wall_s": round(wall, 1),
@@ -519,7 +521,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         "peak_memory_gb": round(torch.cuda.max_memory_reserved() / 2 ** 30, 2) if device.startswith("cuda") else None,
         "n_params": n_params, "train_max_length": train_max,
         "train_exact": float(np.mean(in_dist)) if in_dist else None,
-        "eval": rows, "loss": losses[:: max(1, len(losses) // 500)],
+        "eval": rows, "loss": losses[::stride],            # every stride-th step's loss, and the highest
+        "loss_peak": [max(losses[i:i + stride], key=lambda x: x[1]) for i in range(0, len(losses), stride)],
     }
     metrics.update({key: v for key, v in (*extra.items(), ("history", history), ("logit_max", logit_max)) if v})
     out = cfg.run_dir()

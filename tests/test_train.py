@@ -209,6 +209,46 @@ def test_the_largest_logit_is_logged_at_every_checkpoint(tmp_path):
     assert f"logit max {max(metrics['logit_max'][-1][1]):.3g}" in [x for x in lines if "step     20/" in x][0]
 
 
+def test_metrics_keep_the_highest_loss_of_every_stretch(tmp_path, monkeypatch):
+    """With more steps than kept losses, "loss" keeps every stride-th step and "loss_peak" the
+    highest loss of each stride, so a one-step spike between two kept steps still shows."""
+    cfg = tiny_config(tmp_path, steps=1200, ckpt_every=600)
+    real = train.Step.__call__
+
+    def spiky(self, batch):               # step 1004 reports a spike (its update is the real one)
+        spiky.calls += 1
+        return real(self, batch) + (100.0 if spiky.calls == 1004 else 0.0)
+    spiky.calls = 0
+    monkeypatch.setattr(train.Step, "__call__", spiky)
+    metrics = train.train(cfg, log=lambda *_: None)
+    assert [s for s, _ in metrics["loss"]][:3] == [1, 3, 5] and len(metrics["loss_peak"]) == 600
+    assert max(v for _, v in metrics["loss"]) < 100 and max(metrics["loss_peak"], key=lambda x: x[1])[0] == 1004
+
+
+def test_adam_takes_no_large_step_when_gradients_return_after_vanishing():
+    """The mechanism behind long runs' loss spikes (docs/perf/vipe.md, "Long runs"): after thousands
+    of steps with gradients of 1e-9 (a loss of ~1e-9), Adam's second moment has collapsed, and a
+    gradient of 1e-6 then moves each weight by m / (sqrt(v) + eps) learning rates per step. With
+    the loop's epsilon that stays within one learning rate; with PyTorch's default 1e-8 it is
+    several."""
+    def largest_update(eps):
+        cfg = TrainConfig(lr=1e-3, weight_decay=0.0, adam_eps=eps)
+        model = torch.nn.Linear(4, 4, bias=False)
+        opt = train.make_optimizer(model, cfg, "cpu")
+        model.weight.grad = torch.full_like(model.weight, 1e-9)
+        for _ in range(3000):
+            opt.step()
+        model.weight.grad = torch.full_like(model.weight, 1e-6)
+        moves = []
+        for _ in range(200):
+            before = model.weight.detach().clone()
+            opt.step()
+            moves.append(float((model.weight.detach() - before).abs().max()) / cfg.lr)
+        return max(moves)
+    assert largest_update(TrainConfig().adam_eps) <= 1.0
+    assert largest_update(1e-8) > 3.0
+
+
 def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):
     """A commit made while a run trains does not change the commit its metrics name."""
     commit = {"now": "start"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import signal
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -196,12 +197,19 @@ class TrainBatches(torch.utils.data.Dataset):
     def loader(self, start: int, end: int, workers: int = 0):
         """The batches of steps start .. end - 1, in order; with workers > 0 made by that many
         processes, up to 4 batches each ahead. Workers send numpy arrays: one pickled message per
-        batch, where torch tensors would each pass a shared-memory file descriptor."""
+        batch, where torch tensors would each pass a shared-memory file descriptor. Workers ignore
+        SIGINT and SIGTERM, which Ctrl-C or `timeout` send to the whole process group: the loop
+        stops at a step with a checkpoint and then stops its workers itself."""
         loader = torch.utils.data.DataLoader(
             self, batch_size=None, sampler=range(start, end), num_workers=workers,
-            prefetch_factor=4 if workers else None, collate_fn=_to_numpy,
+            prefetch_factor=4 if workers else None, collate_fn=_to_numpy, worker_init_fn=_ignore_stop_signals,
             generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
         return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
+
+
+def _ignore_stop_signals(_worker: int):
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _to_numpy(batch: Batch) -> tuple:

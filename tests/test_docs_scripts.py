@@ -72,3 +72,14 @@ def test_vipe_stability_records_every_interval(tmp_path):
     assert all(len(r["logit"]) == 2 and len(r["u_norm"]) == 2 and r["grad"] > 0 for r in recs)
     assert all(r["loss_min"] <= r["loss_mean"] <= r["loss_max"] for r in recs)
     assert "exact_1_16" in recs[-1] and "exact_1_16" not in recs[0]
+
+
+def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
+    run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3])
+    out = script("loss_jumps.py", run, "--json", tmp_path / "s.json")
+    (row,) = json.loads((tmp_path / "s.json").read_text())
+    assert row["finished"] and row["steps"] == 3 and row["logit_max_last"] > 0 and 0 <= row["in_dist_exact"] <= 1
+    (run / "metrics.json").unlink()                      # a run still going: its checkpoint
+    script("loss_jumps.py", run, "--json", tmp_path / "s.json")
+    (row,) = json.loads((tmp_path / "s.json").read_text())
+    assert not row["finished"] and row["steps"] == 3 and "run" in out

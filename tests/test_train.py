@@ -1,5 +1,6 @@
 """The shared model, the baselines, the training loop, evaluation, resume and the CLI (CPU)."""
 import json
+from pathlib import Path
 import math
 
 import numpy as np
@@ -434,6 +435,32 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, monkeypat
     assert not (part.run_dir() / "run.lock").exists()
     train.train(part, resume=True, log=lambda *_: None)
     assert same_run(full, part)
+
+
+def test_a_signal_to_the_whole_process_group_stops_a_run_with_data_workers(tmp_path):
+    """Ctrl-C in a terminal, or `timeout`, signals every process of the group, data workers too:
+    the workers ignore it, and the run stops at a step with its checkpoint (a worker killed by the
+    signal used to crash the run while it wrote that checkpoint)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "train.py", "--task", "copy", "--method", "rope", "--device", "cpu",
+                             "--steps", "100000", "--workers", "2", "--d-model", "16", "--n-layers", "1",
+                             "--out", str(tmp_path)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:                              # the loop is stepping, its workers running
+        if " step " in line:
+            break
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = line + proc.stdout.read()
+    assert proc.wait(timeout=120) != 0
+    assert "checkpoint written" in out and "Traceback" not in out, out[-2000:]
+    ckpt = torch.load(tmp_path / "copy" / "rope" / "seed0" / "checkpoint.pt", weights_only=False)
+    assert 1 <= ckpt["step"] < 100000
 
 
 def test_nan_stop_without_a_checkpoint_says_so(tmp_path, monkeypatch):

@@ -1,0 +1,54 @@
+"""Does a run's training loss stay down once it got there? For each run folder: the step where the
+loss first fell below 0.01, the highest loss after that step (and where), the largest attention
+logit at the first and last checkpoints, the in-distribution exact match (s = 1 rows) where the run
+has finished, from metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every
+loss).
+
+    python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT]
+
+Run it from the repository root. Results: docs/perf/vipe.md ("Long runs").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def summary(run: Path) -> dict:
+    if (run / "metrics.json").exists():
+        m = json.loads((run / "metrics.json").read_text())
+        losses, logits, done = m.get("loss_peak") or m["loss"], m.get("logit_max", []), True
+        train_max = m["train_max_length"]
+        exact = [r["exact"] for r in m["eval"] if r["length"] <= train_max]
+        in_dist = sum(exact) / len(exact) if exact else None
+    else:
+        ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+        losses, logits, done, in_dist = ckpt["losses"], ckpt.get("logit_max", []), False, None
+    first = next((s for s, v in losses if v < 0.01), None)
+    after = [(v, s) for s, v in losses if first is not None and s > first]
+    peak, at = max(after) if after else (None, None)
+    return {"run": str(run), "finished": done, "steps": losses[-1][0] if losses else 0,
+            "first_below_0.01": first, "max_loss_after": peak, "at_step": at,
+            "logit_max_first": max(logits[0][1]) if logits else None,
+            "logit_max_last": max(logits[-1][1]) if logits else None, "in_dist_exact": in_dist}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--json", help="also write the summaries here")
+    a = p.parse_args(argv)
+    rows = [summary(r) for r in a.runs]
+    for r in rows:
+        print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

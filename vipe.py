@@ -189,7 +189,13 @@ class ViPEAttention(nn.Module):
     """Causal multi-head ViPE attention. The value head has D - 1 channels (so v (+) i is D wide for
     SDPA's fused kernels) and the output projection reads H * (D - 1 + d_p) channels. It uses
     ctx["s"] as given (default 1): 1 in training, the fixed s = L_test_max / L_train_max in the
-    fine-tuning stage, and at evaluation the s of the run's rule (`final_evaluation`)."""
+    fine-tuning stage, and at evaluation the s of the run's rule (`final_evaluation`).
+
+    The layer runs in float32 under autocast (the paper does not say which precision it trains
+    in). Trained ViPE logits reach the hundreds to thousands, ~50x RoPE's, because the rescaling
+    multiplies logits that training already makes large; rounded to bf16, q and k carry an error of
+    about 2^-8 of the logit, a few units at that size, enough to change which key wins. Long bf16
+    runs then blew up, float32 ones did not (docs/perf/vipe.md, "Long runs")."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -212,10 +218,12 @@ class ViPEAttention(nn.Module):
     def forward(self, x, ctx=None):
         B, T, C = x.shape
         s = float((ctx or {}).get("s", 1.0))
-        q, k = self.qk(x).view(B, T, 2, self.H, self.D).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, D)
-        v = self.v(x).view(B, T, self.H, self.Dv).transpose(1, 2)               # (B, H, T, D - 1)
-        z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, rescale=self.mode != "value")
-        return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
+        with torch.autocast(x.device.type, enabled=False):                   # float32: see above
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
+            q, k = self.qk(x).view(B, T, 2, self.H, self.D).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, D)
+            v = self.v(x).view(B, T, self.H, self.Dv).transpose(1, 2)               # (B, H, T, D - 1)
+            z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, rescale=self.mode != "value")
+            return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
 VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,

@@ -282,3 +282,24 @@ def test_triton_gpu(T):
     torch_ops = errors(run(vipe.vipe_attention_torch, bf16, dz.bfloat16(), s=2.0), ref)
     for name, a, b in zip(["z"] + NAMES, got, torch_ops):
         assert a <= 1.25 * b + 1e-6, f"{name}: Triton path max error {a:.3e}, PyTorch ops {b:.3e}"
+
+
+def test_the_layer_computes_its_logits_in_float32_under_autocast():
+    """Under bf16 autocast the layer gives what it gives without autocast (to float32 rounding),
+    logits included, where a bf16 layer is off by ~2^-8 of its large logits (docs/perf/vipe.md,
+    "Long runs"). The check fails for a layer that lets autocast round q and k."""
+    import model as M
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=2, causal=True, method="vipe")
+    layer = ViPEAttention(cfg)
+    with torch.no_grad():
+        layer.qk.weight.mul_(8.0)                                   # logits in the thousands, as long runs grow them
+        layer.u.normal_()
+    x = torch.randn(2, 24, 32)
+    xb = x.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, logit_mixed = layer(xb), M.largest_logits(layer, xb)
+    ref, logit = layer(xb.float()), M.largest_logits(layer, xb.float())   # the same input, in float32
+    assert logit[0] > 100 and mixed.dtype == torch.float32
+    assert torch.allclose(mixed, ref, atol=1e-5), (mixed - ref).abs().max()
+    assert logit_mixed[0] == pytest.approx(logit[0], rel=1e-6)

@@ -456,47 +456,49 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         pending.clear()
 
     stream = batches(cfg, task, train_lengths, step, cfg.steps)
-    while step < cfg.steps:
-        if flag["stop"]:
-            flush()
-            wall = time.time() - t0
-            checkpoint()
-            raise Interrupted(f"stopped by signal {flag['stop']} after step {step}, checkpoint written: "
-                              "continue with the same command and --resume")
-        if step == warm:
-            flush()
-            mark = (step, time.time(), waited)
-        tic = time.time()
-        batch = next(stream)
-        waited += time.time() - tic
-        set_lr(opt, lr_at(step, cfg))
-        pending.append(train_step(batch))
-        step += 1
-        if device == "cpu" or len(pending) >= 50:
-            flush()
-        at_checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
-        if at_checkpoint:
-            flush()   # never checkpoint (or probe) weights that a NaN step has touched
-            logit_max.append([step, probe_logits()])
-        now = time.time()
-        if now - last_log >= cfg.log_every or step == cfg.steps:
-            flush()
-            rate = (step - log_step) / (now - last_log)
-            log(f"  step {step:>6}/{cfg.steps} | loss {losses[-1][1]:.4f} | lr {lr_at(step - 1, cfg):.2e} | "
-                f"{rate:6.1f} steps/s | data wait {100 * (waited - log_waited) / (now - last_log):.0f}% | "
-                f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}"
-                + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
-            last_log, log_step, log_waited = now, step, waited
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, stream=stream_id, precision=cfg.precision)
-                                             for key, stream_id, lengths in sets}})
-            log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
-        if at_checkpoint:
-            wall = time.time() - t0
-            checkpoint()
+    try:
+        while step < cfg.steps:
+            if flag["stop"]:
+                flush()
+                wall = time.time() - t0
+                checkpoint()
+                raise Interrupted(f"stopped by signal {flag['stop']} after step {step}, checkpoint written: "
+                                  "continue with the same command and --resume")
+            if step == warm:
+                flush()
+                mark = (step, time.time(), waited)
+            tic = time.time()
+            batch = next(stream)
+            waited += time.time() - tic
+            set_lr(opt, lr_at(step, cfg))
+            pending.append(train_step(batch))
+            step += 1
+            if device == "cpu" or len(pending) >= 50:
+                flush()
+            at_checkpoint = step % cfg.ckpt_every == 0 or step == cfg.steps
+            if at_checkpoint:
+                flush()   # never checkpoint (or probe) weights that a NaN step has touched
+                logit_max.append([step, probe_logits()])
+            now = time.time()
+            if now - last_log >= cfg.log_every or step == cfg.steps:
+                flush()
+                rate = (step - log_step) / (now - last_log)
+                log(f"  step {step:>6}/{cfg.steps} | loss {losses[-1][1]:.4f} | lr {lr_at(step - 1, cfg):.2e} | "
+                    f"{rate:6.1f} steps/s | data wait {100 * (waited - log_waited) / (now - last_log):.0f}% | "
+                    f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}"
+                    + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
+                last_log, log_step, log_waited = now, step, waited
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
+                                                               cfg.task_opts, stream=stream_id, precision=cfg.precision)
+                                                 for key, stream_id, lengths in sets}})
+                log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
+            if at_checkpoint:
+                wall = time.time() - t0
+                checkpoint()
+    finally:
+        stream.close()                           # stops the data workers, however the loop ends
     wall, loop = time.time() - t0, time.time() - mark[1]
-    del stream                                   # stops the data workers
     train_step.release()
     # from here a signal stops the run at once (cli.stop_signals): the checkpoint of the last step is
     # written, and --resume goes straight to the evaluation

@@ -1,5 +1,6 @@
 """The shared model, the baselines, the training loop, evaluation, resume and the CLI (CPU)."""
 import json
+import multiprocessing
 from pathlib import Path
 import math
 
@@ -363,6 +364,7 @@ def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch, workers):
     monkeypatch.setattr(train.F, "cross_entropy", nan_at_4)
     with pytest.raises(train.NaNLoss, match=r"at step 4 \(counted as in the progress lines\); last finite loss \d"):
         train.train(tiny_config(tmp_path, workers=workers), log=lambda *_: None)
+    assert not multiprocessing.active_children()             # the data workers are stopped too
 
 
 # ---- CLI --------------------------------------------------------------------------------------

@@ -504,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", help="several methods, comma-separated")
     g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
+    g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
+                   "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "
@@ -616,6 +618,8 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
+    if args.shard:
+        raise UsageError("--shard applies with --reproduce NAME only (it splits an experiment's runs)")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -692,8 +696,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
     for name in names:
         if name not in EXPERIMENTS:
             raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
+    shard, n_shards = parse_shard(args.shard)
     n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
-    how = speed(args, device, n_runs)
+    how = speed(args, device, -(-n_runs // n_shards))
     plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
         for cfg in cfgs:
@@ -701,16 +706,19 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
+    everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
+    mine = {id(cfg) for k, cfg in enumerate(everything) if k % n_shards == shard}
+    todo = [cfg for cfg in everything if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())]
+    print_plan(everything, todo, mine, args.jobs, args.shard)
     tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        todo = []
-        for cfg in cfgs:
-            if (cfg.run_dir() / "metrics.json").exists() and not args.force:
-                print(f"skip {cfg.run_dir()} (already present; --force reruns it)")
-            else:
-                todo.append(cfg)
-        failed += run_many(todo, args.jobs, force=args.force)
+        failed += run_many([cfg for cfg in cfgs if any(cfg is c for c in todo)], args.jobs, force=args.force)
+        waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
+        if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
+            print(f"{name}: {len(waiting)} of its {len(cfgs)} runs belong to other shards and are not present yet: "
+                  "its table waits for them (run --reproduce again, without --shard, once they are)")
+            continue
         write_summaries(cfgs)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
@@ -720,11 +728,71 @@ def reproduce(args, device: str, preset_name: str) -> int:
             print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
         print(table)
         tables.append(table)
-    if args.reproduce == "all":   # one file, paper vs this repo for every experiment
+    if args.reproduce == "all" and len(tables) == len(names):   # one file, paper vs this repo for every experiment
         save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
         print(f"wrote {out / 'reproduce' / 'all.md'}")
-    check_failures(failed, sum(len(cfgs) for cfgs in plans.values()))
+    check_failures(failed, len(todo))
     return 0
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """--shard I/N -> (I, N); none given: (0, 1), every run."""
+    if text is None:
+        return 0, 1
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise UsageError(f"--shard takes I/N with 0 <= I < N (e.g. 0/8), got {text!r}")
+    return int(i), int(n)
+
+
+def print_plan(everything: list[TrainConfig], todo: list[TrainConfig], mine: set, jobs: int, shard: str | None):
+    """Before training: each run of the list, whether this command trains it, and its time: measured
+    (the wall time of the same setup with another seed, per step) or estimated (the same task and method
+    with other settings, per step and sequence), else unknown."""
+    print(f"{len(everything)} runs" + (f", shard {shard}: {len(mine)} of them" if shard else "")
+          + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
+    total, unknown = 0.0, 0
+    for k, cfg in enumerate(everything):
+        state = ("train" if any(cfg is c for c in todo) else "present" if (cfg.run_dir() / "metrics.json").exists()
+                 else "other shard")
+        line = f"  {k:3d} {state:11s} {cfg.run_dir()}"
+        if state == "train":
+            seconds, how = time_of(cfg)
+            if seconds is None:
+                unknown += 1
+                line += "  time unknown (no run of this task and method yet)"
+            else:
+                total += seconds
+                line += f"  {fmt_time(seconds)} ({how})"
+        print(line)
+    if todo:
+        print(f"  in all about {fmt_time(total / max(1, min(jobs, len(todo))))}"
+              + (f" with {jobs} at once, if they share the device evenly" if jobs > 1 else "")
+              + (f", plus {unknown} run(s) of unknown time" if unknown else ""))
+
+
+def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
+    """(seconds, "measured" | "estimate") for one run, from the metrics of runs already present."""
+    def per_step(m):
+        return m["wall_s"] / max(1, m["config"]["steps"])
+    same = sorted(cfg.run_dir().parent.glob("seed*/metrics.json"))
+    for path in same:
+        m = read_metrics(path)
+        if m and m["config"]["steps"] and m["config"].get("batch_size") == cfg.batch_size:
+            return per_step(m) * cfg.steps, "measured: " + path.parent.name
+    for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json")):
+        m = read_metrics(path)
+        if m and m["config"]["steps"] and m["config"].get("batch_size"):
+            return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate"
+    return None, ""
+
+
+def read_metrics(path: Path) -> dict | None:
+    try:
+        m = json.loads(path.read_text())
+        return m if isinstance(m, dict) and "wall_s" in m and "config" in m else None
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

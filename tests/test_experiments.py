@@ -29,7 +29,7 @@ def test_reproduce_runs_skips_and_tables(capsys, tmp_path, monkeypatch):
     assert "| copy/rope | paper | 1.0 | 0.5 |" in table
     assert f"| copy/rope | this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | {s['eval'][0]['exact']:.3f}" in table
     code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
-    assert stdout.count("skip ") == 2
+    assert stdout.count(" present ") == 2 and "0 to train" in stdout
 
 
 def test_a_failed_run_does_not_stop_the_others(capsys, tmp_path, monkeypatch):
@@ -175,3 +175,51 @@ def test_a_column_counts_each_length_by_its_examples():
     points = [{"name": str(L), "length": L, "variant": None, "n": n, "exact": e, "exact_min": e, "exact_max": e}
               for L, n, e in ((24, 1, 0.0), (25, 3, 1.0))]
     assert experiments.column_numbers({"eval": points, "train_max_length": 22}, (24, 25), "exact")[0] == 0.75
+
+
+def tiny_seeded(tmp_path, monkeypatch):
+    """An experiment of four runs: nope and rope, seeds 0 and 1 (run list: nope/0, nope/1, rope/0, rope/1)."""
+    exp = experiments.Experiment(
+        claim="tiny", runs=[dict(task="copy", method=m, steps=6, batch_size=8, d_model=32, n_layers=1, n_heads=2,
+                                 n_eval=8, train_lengths=[1, 2], test_lengths=[2]) for m in ("nope", "rope")],
+        columns=[("len 2", (2, 2), "exact")], paper={}, scaled="tiny", seeds=[0, 1])
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", exp)
+    return tmp_path / "runs"
+
+
+def present(out):
+    return sorted(str(p.parent.relative_to(out)) for p in out.glob("copy/*/seed*/metrics.json"))
+
+
+def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp_path, monkeypatch):
+    """--shard 0/2 trains runs 0 and 2 of the fixed list and writes no table; --shard 1/2 trains runs 1
+    and 3, whose sibling seed gives a measured time, and writes the table; a plain --reproduce then
+    trains nothing and writes the table again."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, stdout, _ = run_cli(capsys, *args, "--shard", "0/2")
+    assert code == 0 and present(out) == ["copy/nope/seed0", "copy/rope/seed0"]
+    assert "4 runs, shard 0/2: 2 of them; 2 to train" in stdout and stdout.count("time unknown") == 2
+    assert "its table waits for them" in stdout and not (out / "reproduce" / "tiny.md").exists()
+    code, stdout, _ = run_cli(capsys, *args, "--shard", "1/2")
+    assert code == 0 and len(present(out)) == 4
+    assert stdout.count("(measured: seed0)") == 2 and "in all about" in stdout
+    assert (out / "reproduce" / "tiny.md").exists()
+    (out / "reproduce" / "tiny.md").unlink()
+    code, stdout, _ = run_cli(capsys, *args)
+    assert code == 0 and "0 to train" in stdout and (out / "reproduce" / "tiny.md").exists()
+
+
+@pytest.mark.parametrize("shard", ["2/2", "1/0", "a/2", "-1/2", "1", "0/2/3"])
+def test_a_bad_shard_is_one_line_and_writes_nothing(capsys, tmp_path, monkeypatch, shard):
+    out = tiny_seeded(tmp_path, monkeypatch)
+    code, stdout, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu", f"--shard={shard}")
+    assert code == 2 and err.strip() == f"error: --shard takes I/N with 0 <= I < N (e.g. 0/8), got {shard!r}"
+    assert not out.exists()
+
+
+def test_shard_without_reproduce_is_refused(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--device", "cpu", "--shard", "0/2",
+                           "--out", str(tmp_path / "runs"))
+    assert code == 2 and "--shard applies with --reproduce NAME only" in err
+    assert not (tmp_path / "runs").exists()

@@ -765,7 +765,9 @@ def print_plan(everything: list[TrainConfig], todo: list[TrainConfig], mine: set
                 total += seconds
                 line += f"  {fmt_time(seconds)} ({how})"
         print(line)
-    if todo:
+    if todo and unknown == len(todo):
+        print("  in all: unknown until one run of each setup has finished")
+    elif todo:
         print(f"  in all about {fmt_time(total / max(1, min(jobs, len(todo))))}"
               + (f" with {jobs} at once, if they share the device evenly" if jobs > 1 else "")
               + (f", plus {unknown} run(s) of unknown time" if unknown else ""))

@@ -200,6 +200,7 @@ def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp
     code, stdout, _ = run_cli(capsys, *args, "--shard", "0/2")
     assert code == 0 and present(out) == ["copy/nope/seed0", "copy/rope/seed0"]
     assert "4 runs, shard 0/2: 2 of them; 2 to train" in stdout and stdout.count("time unknown") == 2
+    assert "in all: unknown" in stdout
     assert "its table waits for them" in stdout and not (out / "reproduce" / "tiny.md").exists()
     code, stdout, _ = run_cli(capsys, *args, "--shard", "1/2")
     assert code == 0 and len(present(out)) == 4

@@ -131,6 +131,8 @@ def validate(cfg: TrainConfig) -> Task:
     for flag, value, ok, need in numeric_checks(cfg):
         if not ok:
             raise UsageError(f"{flag} must be {need}, got {value}")
+    if cfg.train_set and cfg.curriculum:
+        raise UsageError("--train-set and --curriculum do not go together (a fixed set has fixed lengths)")
     check_paths(cfg)
     check_writable(Path(cfg.out))
     options = METHODS[cfg.method].options
@@ -220,6 +222,8 @@ def numeric_checks(cfg: TrainConfig):
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
             ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
+             "0 or at least the batch size"),
             ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
@@ -231,7 +235,8 @@ def check_method(method: str):
 
 
 # Fields that must agree between a checkpoint and the run resuming it.
-RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "model"]
+RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "train_set",
+               "model"]
 
 
 def check_resume(cfg: TrainConfig):
@@ -482,9 +487,9 @@ def epilog() -> str:
     lines = ["examples:",
              "  python train.py --method path --task flipflop                 one run",
              "  python train.py --methods nope,rope,vipe --task parity --seeds 0,1,2 --jobs 3",
-             "  python train.py --method rope --task copy --steps 5000 --tag long",
              "  python train.py --method rope --task copy --steps 5000 --tag long --resume   after Ctrl-C",
              "  python train.py --reproduce path-flipflop                     a paper's headline experiment",
+             "  python train.py --reproduce vipe-parity --budget full --shard 0/4   the paper's setup, a quarter",
              "  python train.py --help-method prism                           a method's --method-opt options",
              "", "experiments (--reproduce NAME, or all):",
              *textwrap.wrap(", ".join(experiments.EXPERIMENTS), 96, initial_indent="  ", subsequent_indent="  "),
@@ -504,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", help="several methods, comma-separated")
     g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
+    g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
+                   "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
     g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
@@ -541,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("bf16", "fp32"), help="CUDA: bf16 autocast (default) or float32 "
                    "throughout; the CPU always runs float32")
     g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
+    g.add_argument("--train-set", type=int, help="train on a fixed set of N problems, a new order each epoch "
+                   "(the ViPE paper: 32768); default: fresh problems every step")
     g = p.add_argument_group("data and evaluation")
     g.add_argument("--train-lengths", help="e.g. 1-16 or 5,10,20")
     g.add_argument("--test-lengths", help="e.g. 1-48")
@@ -618,8 +627,8 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    if args.shard:
-        raise UsageError("--shard applies with --reproduce NAME only (it splits an experiment's runs)")
+    if args.shard or args.budget:
+        raise UsageError(f"{'--shard' if args.shard else '--budget'} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -635,7 +644,7 @@ def run_cli(args) -> int:
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   warmup=args.warmup, weight_decay=args.weight_decay, beta2=args.beta2, dropout=args.dropout,
                   adam_eps=args.adam_eps, precision=args.precision,
-                  curriculum=args.curriculum,
+                  curriculum=args.curriculum, train_set=args.train_set,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
@@ -691,11 +700,16 @@ def write_summaries(cfgs):
 
 def reproduce(args, device: str, preset_name: str) -> int:
     """--reproduce NAME | all: train the runs not present yet, then the tables and figures of each experiment."""
-    EXPERIMENTS = experiments.EXPERIMENTS
-    names = list(EXPERIMENTS) if args.reproduce == "all" else [args.reproduce]
-    for name in names:
-        if name not in EXPERIMENTS:
-            raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
+    budget = args.budget or "quick"
+    if args.reproduce != "all" and args.reproduce not in experiments.EXPERIMENTS:
+        raise UsageError(f"unknown experiment {args.reproduce!r}; available: {', '.join(experiments.EXPERIMENTS)}, all")
+    defined = [name for name, exp in experiments.EXPERIMENTS.items() if budget == "quick" or exp.full]
+    names = defined if args.reproduce == "all" else [args.reproduce]
+    if args.reproduce not in defined + ["all"]:
+        raise UsageError(f"experiment {args.reproduce} has no {budget} setup yet; --budget {budget} is defined for: "
+                         f"{', '.join(defined) or 'none'}")
+    EXPERIMENTS = {name: experiments.at_budget(experiments.EXPERIMENTS[name], budget) for name in names}
+    suffix = "" if budget == "quick" else f"-{budget}"
     shard, n_shards = parse_shard(args.shard)
     n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
     how = speed(args, device, -(-n_runs // n_shards))
@@ -723,14 +737,15 @@ def reproduce(args, device: str, preset_name: str) -> int:
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)
-        save_atomic(table + "\n", out / "reproduce" / f"{name}.md")
+        save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
         if EXPERIMENTS[name].sweep:
             print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
         print(table)
         tables.append(table)
     if args.reproduce == "all" and len(tables) == len(names):   # one file, paper vs this repo for every experiment
-        save_atomic("# Paper vs this repo\n\n" + "\n\n".join(tables) + "\n", out / "reproduce" / "all.md")
-        print(f"wrote {out / 'reproduce' / 'all.md'}")
+        save_atomic(f"# Paper vs this repo ({budget} budget)\n\n" + "\n\n".join(tables) + "\n",
+                    out / "reproduce" / f"all{suffix}.md")
+        print(f"wrote {out / 'reproduce' / f'all{suffix}.md'}")
     check_failures(failed, len(todo))
     return 0
 

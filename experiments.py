@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -220,10 +220,32 @@ class Experiment:
                                  # ("best_seed",) | ("top3",) (needs eval_every) | ("held_out", (lo, hi))
     sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
                                  # each run's tag (e.g. L2 -> 2), one line per method
+    full: dict | None = None     # the paper's own setup (--budget full): its "runs", "seeds" and "scaled"
+                                 # (what still differs from the paper); None: not defined yet
+
+
+BUDGETS = ("quick", "full")
+
+
+def at_budget(exp: Experiment, budget: str) -> Experiment:
+    """The experiment as run at a budget: quick as it stands, full with the paper's setup, its runs
+    tagged "full" so that they never share a folder with the quick ones."""
+    if budget == "quick":
+        return exp
+    if exp.full is None:
+        raise ValueError("has no full setup yet")
+    runs = [{**run, "tag": "-".join(t for t in (run.get("tag", ""), "full") if t)} for run in exp.full["runs"]]
+    paper = {f"{label}-full": cells for label, cells in exp.paper.items()}
+    return replace(exp, runs=runs, seeds=exp.full["seeds"], scaled=exp.full["scaled"], paper=paper, full=None)
 
 
 VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
 VIPE_FINETUNE = {"vipe": {"opts": {"vipe_finetune": 200}}}   # ViPE's settings in its experiments
+VIPE_SEEDS = [0, 42, 123, 2025, 7811, 9527, 13579, 23343]    # the paper's eight
+# The paper's training (appendix): Adam at a constant 3e-4, batch 256, 2000 epochs of a fixed set of
+# 32,768 sequences (256k steps); 65,536 test sequences, 2,048 per length.
+VIPE_PAPER = dict(steps=256_000, batch_size=256, lr=3e-4, min_lr_ratio=1.0, weight_decay=0.0, train_set=32_768,
+                  n_eval=2048)
 
 
 def _vipe_experiment(task: str) -> Experiment:
@@ -243,7 +265,14 @@ def _vipe_experiment(task: str) -> Experiment:
                "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 3 seeds (the paper: best of 8 with "
                "in-distribution accuracy > 0.85); one task per experiment so that each fits in about ten minutes; "
                "ViPE-L2/L3 and NoPE-L3 at 16k steps: docs/results/vipe-budget",
-        seeds=[0, 1, 2], select=("best_seed",))
+        seeds=[0, 1, 2], select=("best_seed",),
+        full=dict(runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n, **VIPE_PAPER, **VIPE_FINETUNE.get(m, {}))
+                        for n in (2, 3) for m in ("nope", "vipe")], seeds=VIPE_SEEDS,
+                  scaled="the paper's setup (Adam at a constant lr 3e-4, batch 256, 256k steps over a fixed set of "
+                         "32,768 sequences, 2,048 test sequences per length, its 8 seeds), d = 128; only NoPE (the "
+                         "strongest baseline of the quick runs) and ViPE; AdamW's eps 1e-6 (PyTorch's 1e-8 spikes "
+                         "at zero loss: docs/perf/vipe.md), the loop's 100 warm-up steps, ViPE fine-tuned 200 "
+                         "steps with the fixed s (the paper: briefly)"))
 
 
 # PRISM's gate head starting with every cursor counting tokens (see _PRISM_RUNS).

@@ -179,17 +179,30 @@ def curriculum_lengths(step: int, steps: int, lengths: list[int]) -> list[int]:
 class TrainBatches(torch.utils.data.Dataset):
     """The training stream: step s's batch is sample_mixed with the generator seeded by (seed, s),
     so worker processes can make batches ahead of the loop in any order, and a resumed run
-    continues the same stream. With curriculum, the lengths of step s are curriculum_lengths'."""
+    continues the same stream. With curriculum, the lengths of step s are curriculum_lengths'.
+    With train_set = N > 0 (the ViPE paper's fixed training set) the problems come from one set of
+    N drawn once from the seed, in a new order each epoch of N // batch_size steps (the order of
+    epoch e seeded by (seed, e)); batches keep the set's padded width."""
 
     def __init__(self, task: Task, lengths: list[int], batch_size: int, seed: int, steps: int,
-                 curriculum: bool = False, **opts):
+                 curriculum: bool = False, train_set: int = 0, **opts):
         self.task, self.lengths, self.batch_size, self.seed = task, lengths, batch_size, seed
-        self.steps, self.curriculum, self.opts = steps, curriculum, opts
+        self.steps, self.curriculum, self.train_set, self.opts = steps, curriculum, train_set, opts
+        self._set = None                    # the fixed set, made on first use (in each worker)
 
     def __len__(self):
         return self.steps
 
     def __getitem__(self, step: int) -> Batch:
+        if self.train_set:
+            if self._set is None:
+                self._set = sample_mixed(self.task, self.train_set, self.lengths,
+                                         np.random.default_rng([self.seed, 4]), **self.opts)
+            epoch, k = divmod(step, self.train_set // self.batch_size)
+            order = np.random.default_rng([self.seed, 5, epoch]).permutation(self.train_set)
+            rows = torch.from_numpy(order[k * self.batch_size:(k + 1) * self.batch_size])
+            s = self._set
+            return Batch(s.x[rows], s.y[rows], s.length[rows], None if s.slot is None else s.slot[rows])
         lengths = curriculum_lengths(step, self.steps, self.lengths) if self.curriculum else self.lengths
         return sample_mixed(self.task, self.batch_size, lengths, np.random.default_rng([self.seed, 0, step]),
                             **self.opts)

@@ -224,3 +224,43 @@ def test_shard_without_reproduce_is_refused(capsys, tmp_path):
                            "--out", str(tmp_path / "runs"))
     assert code == 2 and "--shard applies with --reproduce NAME only" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_full_budget_trains_the_papers_setup_beside_the_quick_one(capsys, tmp_path, monkeypatch):
+    """--budget full: the experiment's full runs and seeds, in folders tagged "full" (the quick runs'
+    folders untouched), the paper's cells on the full rows, and a table of its own."""
+    tiny = dict(task="copy", steps=3, batch_size=8, d_model=32, n_layers=1, n_heads=2, n_eval=8,
+                train_lengths=[1, 2], test_lengths=[2])
+    exp = experiments.Experiment(
+        claim="tiny", runs=[dict(tiny, method="rope")], columns=[("len 2", (2, 2), "exact")],
+        paper={"rope": ["0.9"]}, scaled="tiny", seeds=[0],
+        full=dict(runs=[dict(tiny, method="rope", steps=4, train_set=16)], seeds=[3, 5], scaled="the paper's"))
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", exp)
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--budget", "full", "--out", str(out), "--device", "cpu")
+    assert code == 0 and present(out) == ["copy/rope-full/seed3", "copy/rope-full/seed5"]
+    m = json.loads((out / "copy" / "rope-full" / "seed3" / "metrics.json").read_text())
+    assert m["config"]["train_set"] == 16 and m["config"]["steps"] == 4
+    table = (out / "reproduce" / "tiny-full.md").read_text()
+    assert "| copy/rope-full | paper | 0.9 |" in table and "Scaled: the paper's" in table
+    assert not (out / "reproduce" / "tiny.md").exists()
+
+
+def test_a_budget_an_experiment_lacks_is_one_line(capsys, tmp_path, monkeypatch):
+    out = tiny_seeded(tmp_path, monkeypatch)
+    code, _, err = run_cli(capsys, "--reproduce", "tiny", "--budget", "full", "--out", str(out), "--device", "cpu")
+    assert code == 2 and err.strip().startswith("error: experiment tiny has no full setup yet; --budget full is "
+                                                "defined for: ") and "vipe-parity" in err
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--budget", "full", "--out", str(out))
+    assert code == 2 and "--budget applies with --reproduce NAME only" in err and not out.exists()
+
+
+def test_every_full_setup_is_valid_and_apart_from_the_quick_runs():
+    for name, exp in experiments.EXPERIMENTS.items():
+        if exp.full:
+            full = experiments.at_budget(exp, "full")
+            for run in full.runs:
+                validate(make_config({**run, "device": "cpu"}, "gpu"))
+                assert run["tag"].endswith("full")
+            assert len(full.seeds) >= 3

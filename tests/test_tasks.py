@@ -547,3 +547,20 @@ def test_mul_cot_batches_equal_the_reference_tokens(length):
     ref = task.lm_batch(seqs, n_prompt, length)
     assert torch.equal(batch.x, ref.x) and torch.equal(batch.y, ref.y)
     assert digits_a == set(range(1, length + 1))
+
+
+def test_a_fixed_training_set_is_visited_once_per_epoch_in_a_new_order():
+    """train_set = 64 at batch 16: each epoch of 4 steps shows every problem of the set once, the
+    next epoch the same problems in another order; step s's batch depends on the seed and s only."""
+    from tasks import TrainBatches
+    task = TASKS["parity"]
+    data = TrainBatches(task, list(range(1, 17)), 16, 7, 12, train_set=64)
+    rows = lambda step: {tuple(r.tolist()) for r in data[step].x}            # noqa: E731
+    epoch0 = set().union(*(rows(s) for s in range(4)))
+    epoch1 = set().union(*(rows(s) for s in range(4, 8)))
+    assert epoch0 == epoch1 and sum(len(rows(s)) for s in range(4)) >= len(epoch0) > 40
+    assert [tuple(r.tolist()) for r in data[0].x] != [tuple(r.tolist()) for r in data[4].x]
+    again = TrainBatches(task, list(range(1, 17)), 16, 7, 12, train_set=64)
+    assert torch.equal(again[5].x, data[5].x) and torch.equal(again[5].y, data[5].y)
+    other = TrainBatches(task, list(range(1, 17)), 16, 8, 12, train_set=64)
+    assert not torch.equal(other[0].x, data[0].x)

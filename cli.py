@@ -402,8 +402,12 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
                 traceback.print_exc()
                 failure(cfg.run_dir(), e)
         return failed
-    print(f"{len(cfgs)} runs, {jobs} at a time; each logs to <run>/train.log")
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
+    gpus = visible_gpus()
+    print(f"{len(cfgs)} runs, {jobs} at a time" + (f" over GPUs {', '.join(gpus)}" if len(gpus) > 1 else "")
+          + "; each logs to <run>/train.log")
+    ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
+    spread = dict(initializer=take_gpu, initargs=(gpus, ctx.Value("i", 0))) if len(gpus) > 1 else {}
+    with ProcessPoolExecutor(jobs, mp_context=ctx, **spread) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
         for future in as_completed(futures):
             folder = futures[future].run_dir()
@@ -412,6 +416,23 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
             except Exception as e:
                 failure(folder, e)                       # its traceback is in its train.log
     return failed
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    return [g.strip() for g in named.split(",")][:count] if named else [str(i) for i in range(count)]
+
+
+def take_gpu(gpus: list[str], counter):
+    """A --jobs process's first act: take the next of the GPUs in turn (before CUDA starts in it), so
+    that the jobs spread evenly, ceil(jobs / GPUs) on each."""
+    with counter.get_lock():
+        k, counter.value = counter.value, counter.value + 1
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
 
 
 def check_failures(failed: list[str], n_runs: int):
@@ -425,6 +446,8 @@ def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> s
     path = cfg.run_dir() / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}", file=f, flush=True)
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Exception:
@@ -522,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
-                   "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8 and the number of runs)")
+                   "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8, per visible GPU, and the number of "
+                   "runs); with several GPUs the jobs spread evenly over them")
     g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
                    "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
     g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
@@ -589,9 +613,10 @@ def speed(args, device: str, n_runs: int) -> dict:
     """How runs are executed, never what they compute: sets args.jobs and each run's data workers
     and CUDA graphs (see --help)."""
     cuda = device.startswith("cuda")
-    if args.jobs is None:
+    if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
         memory = torch.cuda.mem_get_info(0)[0] if cuda else 0    # free now: other commands' runs count
-        args.jobs = max(1, min(8, n_runs, memory // 2**33)) if cuda else 1
+        n_gpus = len(visible_gpus()) if cuda else 1
+        args.jobs = max(1, min(8 * n_gpus, n_runs, n_gpus * (memory // 2**33))) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")
     workers = default_workers(args.jobs) if cuda else 0

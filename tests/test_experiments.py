@@ -264,3 +264,22 @@ def test_every_full_setup_is_valid_and_apart_from_the_quick_runs():
                 validate(make_config({**run, "device": "cpu"}, "gpu"))
                 assert run["tag"].endswith("full")
             assert len(full.seeds) >= 3
+
+
+def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch):
+    """With two GPUs visible, --jobs 4 starts four processes, two on each GPU (CUDA_VISIBLE_DEVICES
+    set in each before CUDA starts there); every run's log says which process and GPU ran it."""
+    import re
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0", "1"])
+    tiny = ["--task", "copy", "--methods", "nope,rope", "--seeds", "0,1", "--d-model", "16", "--n-layers", "1",
+            "--n-heads", "2", "--steps", "3", "--batch-size", "4", "--n-eval", "4", "--train-lengths", "1-3",
+            "--test-lengths", "2", "--device", "cpu", "--out", str(tmp_path)]
+    code, stdout, _ = run_cli(capsys, *tiny, "--jobs", "4")
+    assert code == 0 and "4 runs, 4 at a time over GPUs 0, 1" in stdout
+    seen = {}
+    for log in tmp_path.glob("copy/*/seed*/train.log"):
+        pid, gpu = re.search(r"process (\d+), CUDA_VISIBLE_DEVICES=(\S+)", log.read_text()).groups()
+        assert seen.setdefault(pid, gpu) == gpu                  # a process keeps its GPU
+    assert len(list(tmp_path.glob("copy/*/seed*/train.log"))) == 4 and set(seen.values()) <= {"0", "1"}
+    per_gpu = [sum(g == gpu for g in seen.values()) for gpu in ("0", "1")]
+    assert max(per_gpu) <= 2                                   # all on one GPU would be 3 or 4 here

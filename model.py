@@ -55,6 +55,11 @@ def causal_mask(T: int, device) -> torch.Tensor:
 
 BACKENDS = ("naive", "torch", "triton")
 
+# The logit probe: the largest attention logit of each attention call in one forward pass, the
+# first thing to grow when a run is about to blow up. Each method's PyTorch path reports its logits
+# (`note_logits`, or `sdpa` in place of F.scaled_dot_product_attention); `largest_logits` runs it.
+_probe: list | None = None
+
 
 def pick_backend(forced: str | None, name: str, cuda: bool, has_kernel: bool, why: str = "") -> str:
     """The path a method's dispatcher takes: `forced` (its module's BACKEND) when set, else "triton"
@@ -74,12 +79,6 @@ def pick_backend(forced: str | None, name: str, cuda: bool, has_kernel: bool, wh
 @functools.cache
 def warn_once(msg: str):
     warnings.warn(msg, stacklevel=4)
-
-
-# The logit probe: the largest attention logit of each attention call in one forward pass, the
-# first thing to grow when a run is about to blow up. Each method's PyTorch path reports its logits
-# (`note_logits`, or `sdpa` in place of F.scaled_dot_product_attention); `largest_logits` runs it.
-_probe: list | None = None
 
 
 def note_logits(logits):

@@ -401,7 +401,13 @@ EXPERIMENTS: dict[str, Experiment] = {
                "batch 64) for 3k steps of fresh sums (192k samples; the paper: 100k samples); RPE clip 64; evaluated every "
                "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums); 2 seeds (the 768-wide "
                "model's runs share one GPU); RPE at 14k steps: docs/results/upe-add-budget",
-        seeds=[0, 1], select=("held_out", (6, 8))),
+        seeds=[0, 1], select=("held_out", (6, 8)),
+        full=dict(runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
+                             steps=15_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8], **UPE_BERT)
+                        for m in ("ape", "rpe")], seeds=[0, 1, 2],
+                  scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 15k steps "
+                         "x 64 (9.6 epochs; the paper trains without stating how long): about what fits 9 minutes, "
+                         "from RPE's 14k steps in 474 s beside another run (docs/results/upe-add-budget); not run yet")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
@@ -414,7 +420,16 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 6 layers for the 1-digit "
                "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
                "steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
-               "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget"),
+               "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget",
+        full=dict(runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
+                             n_layers=6 if d == 1 else 9, steps=15_000 if d == 1 else 20_000,
+                             train_set=100_000 if d == 1 else 500_000, **UPE_BERT)
+                        for d in (1, 3) for m in ("ape", "rpe", "upe")], seeds=[0, 1, 2],
+                  scaled="the paper's model and optimiser (appendix B: 768 wide, 8 heads, 6 layers, 9 for the "
+                         "3-digit multiplier) and its fixed sets (100k samples; 500k for the 3-digit multiplier); "
+                         "15k and 20k steps x 64 (the paper does not say how long), about what fits 9 minutes from "
+                         "the 768-wide runs' 34-58 steps/s on a shared H100 (docs/results/mul_padded-bert); not run "
+                         "yet")),
 }
 
 

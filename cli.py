@@ -331,7 +331,9 @@ def stop_signals():
     """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
     instead of interrupting wherever Python happens to be (only the main thread gets signals).
     Once the loop has set flag["now"] (its message: training is done and checkpointed), a signal
-    raises Interrupted at once, so that a long final evaluation stops within a moment."""
+    raises Interrupted at once, so that a long final evaluation stops within a moment. After a stop,
+    SIGTERM stays ignored: `timeout` and Slurm signal the process and then its whole group, and the
+    second signal would otherwise kill the process before it says where it stopped."""
     flag = {"stop": None}
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -346,7 +348,7 @@ def stop_signals():
         yield flag
     finally:
         for s, handler in old.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGTERM and flag["stop"] else handler)
 
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.

@@ -664,3 +664,35 @@ def test_the_run_summary_and_the_table_count_scan_over_commands():
     assert experiments.examples_note(rows) == ", 337 examples, 1-336 per length"
     assert experiments.examples_note([{**r, "n": 8} for r in rows]) == ", 8 examples per point"
     assert experiments.examples_note([{"length": 3, "exact": 1.0}]) == ""
+
+
+def test_a_second_sigterm_after_a_stop_does_not_kill_the_run_before_it_reports(tmp_path):
+    """`timeout` and Slurm send SIGTERM to the process and then to its whole group: the second one
+    arrives while the stopped run reports and releases its folder. It must not kill the process
+    (before, the default action did, silently, leaving the run's lock behind)."""
+    import subprocess
+    import sys
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import cli, train
+cfg = cli.make_config(dict(task="copy", method="rope", steps=50, batch_size=4, d_model=16, n_layers=1, n_heads=2,
+                           n_eval=2, test_lengths=[2], train_lengths=[1, 2], out={str(tmp_path)!r}, device="cpu",
+                           log_every=1e9), "cpu")
+real = train.Step.__call__
+def term_at_3(self, batch, n=[0]):
+    n[0] += 1
+    if n[0] == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, batch)
+train.Step.__call__ = term_at_3
+try:
+    cli.run(cfg, log=lambda *_: None)
+except train.Interrupted as e:
+    os.kill(os.getpid(), signal.SIGTERM)          # the group's copy of the signal
+    print("reported:", e, flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "reported: stopped by signal 15 after step 3" in done.stdout, done.stderr[-1500:]
+    assert not (tmp_path / "copy" / "rope" / "seed0" / "run.lock").exists()

@@ -449,7 +449,8 @@ def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}", file=f, flush=True)
+            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}", file=f,
+                  flush=True)
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Exception:
@@ -749,12 +750,13 @@ def reproduce(args, device: str, preset_name: str) -> int:
     out = Path(args.out)
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
     mine = {id(cfg) for k, cfg in enumerate(everything) if k % n_shards == shard}
-    todo = [cfg for cfg in everything if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())]
+    todo = {id(cfg) for cfg in everything
+            if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
     print_plan(everything, todo, mine, args.jobs, args.shard)
     tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        failed += run_many([cfg for cfg in cfgs if any(cfg is c for c in todo)], args.jobs, force=args.force)
+        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, force=args.force)
         waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
         if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
             print(f"{name}: {len(waiting)} of its {len(cfgs)} runs belong to other shards and are not present yet: "
@@ -787,15 +789,16 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def print_plan(everything: list[TrainConfig], todo: list[TrainConfig], mine: set, jobs: int, shard: str | None):
-    """Before training: each run of the list, whether this command trains it, and its time: measured
+def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, shard: str | None):
+    """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
+    and of this shard's), whether this command trains it, and its time: measured
     (the wall time of the same setup with another seed, per step) or estimated (the same task and method
     with other settings, per step and sequence), else unknown."""
     print(f"{len(everything)} runs" + (f", shard {shard}: {len(mine)} of them" if shard else "")
           + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown = 0.0, 0
     for k, cfg in enumerate(everything):
-        state = ("train" if any(cfg is c for c in todo) else "present" if (cfg.run_dir() / "metrics.json").exists()
+        state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()
                  else "other shard")
         line = f"  {k:3d} {state:11s} {cfg.run_dir()}"
         if state == "train":
@@ -821,22 +824,15 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
         return m["wall_s"] / max(1, m["config"]["steps"])
     same = sorted(cfg.run_dir().parent.glob("seed*/metrics.json"))
     for path in same:
-        m = read_metrics(path)
+        m = experiments.read_metrics(path, ("wall_s", "config"))
         if m and m["config"]["steps"] and m["config"].get("batch_size") == cfg.batch_size:
             return per_step(m) * cfg.steps, "measured: " + path.parent.name
     for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json")):
-        m = read_metrics(path)
+        m = experiments.read_metrics(path, ("wall_s", "config"))
         if m and m["config"]["steps"] and m["config"].get("batch_size"):
             return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate"
     return None, ""
 
-
-def read_metrics(path: Path) -> dict | None:
-    try:
-        m = json.loads(path.read_text())
-        return m if isinstance(m, dict) and "wall_s" in m and "config" in m else None
-    except (OSError, ValueError):
-        return None
 
 
 if __name__ == "__main__":

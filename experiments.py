@@ -403,11 +403,13 @@ EXPERIMENTS: dict[str, Experiment] = {
                "model's runs share one GPU); RPE at 14k steps: docs/results/upe-add-budget",
         seeds=[0, 1], select=("held_out", (6, 8)),
         full=dict(runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
-                             steps=15_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8], **UPE_BERT)
+                             steps=15_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8],
+                             **UPE_BERT)
                         for m in ("ape", "rpe")], seeds=[0, 1, 2],
                   scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 15k steps "
                          "x 64 (9.6 epochs; the paper trains without stating how long): about what fits 9 minutes, "
-                         "from RPE's 14k steps in 474 s beside another run (docs/results/upe-add-budget); not run yet")),
+                         "from RPE's 14k steps in 474 s beside another run (docs/results/upe-add-budget); "
+                         "not run yet")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",

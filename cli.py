@@ -218,7 +218,7 @@ def numeric_checks(cfg: TrainConfig):
             ("--adam-eps", cfg.adam_eps, 0 < cfg.adam_eps < math.inf, "> 0 and finite"),
             ("--precision", cfg.precision, cfg.precision in ("bf16", "fp32"), "bf16 or fp32"),
             ("--dropout", m.dropout, 0 <= m.dropout < 1, "in [0, 1)"),
-            ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
+            ("--min-lr-ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
             ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
@@ -569,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int)
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
+    g.add_argument("--min-lr-ratio", type=float, help="the learning rate at the end of the cosine decay, as a "
+                   "fraction of the peak (default 0.1; 1: constant after the warm-up)")
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--beta2", type=float, help="AdamW's second-moment decay (default 0.999)")
     g.add_argument("--adam-eps", type=float, help="AdamW's epsilon (default 1e-6)")
@@ -670,7 +672,8 @@ def run_cli(args) -> int:
     values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                  warmup=args.warmup, weight_decay=args.weight_decay, beta2=args.beta2, dropout=args.dropout,
+                  warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+                  beta2=args.beta2, dropout=args.dropout,
                   adam_eps=args.adam_eps, precision=args.precision,
                   curriculum=args.curriculum, train_set=args.train_set,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),

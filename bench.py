@@ -4,6 +4,7 @@
     python bench.py --op path --lengths 512,1024,2048
     python bench.py --op path --lengths 4096 --heads 16 --head-dim 128 --gate   # PaTH-FoX, D = 128
     python bench.py --op train      # train.py's steps/s on the headline presets
+    python bench.py --op jobs       # steps/s of 1, 4 and 8 runs at once (train.py --jobs)
 
 For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
 case slower than 5 s, like PRISM's naive loop) of the forward and of forward + backward, the
@@ -344,10 +345,69 @@ def plot_train(rows, modes, gpu, path):
     plt.close(fig)
 
 
+# =============================================================================================
+# Many runs at once:  python bench.py --op jobs
+# =============================================================================================
+
+JOBS_RUNS = [("parity", "vipe"), ("flipflop", "rope")]   # the ViPE paper's model; flip-flop's preset
+JOBS_COUNTS = (1, 4, 8)
+
+
+def run_jobs(steps: int, out_dir: Path, runs=JOBS_RUNS, counts=JOBS_COUNTS, extra=(), device=None):
+    """Steps/s of N identical runs (seeds 0..N-1, the GPU preset) trained at once by
+    `train.py --jobs N` against one run alone: each run's steps/s from its own metrics (the loop's
+    time after its first steps), summed over the runs that share the GPUs. The largest N runs
+    twice, under the MPS daemon that train.py starts and with --no-mps."""
+    import json
+    import subprocess
+    import tempfile
+    import time
+
+    import cli
+    from tasks import TASKS
+
+    device = device or DEVICE
+    gpus = len(cli.visible_gpus()) if device == "cuda" else 0
+    cases = [(n, True) for n in counts] + [(max(counts), False)]
+    rows = []
+    for task, method in runs:
+        for n, mps in cases:
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--task", task, "--method", method,
+                       "--seeds", ",".join(map(str, range(n))), "--jobs", str(n), "--steps", str(steps),
+                       "--device", device, "--preset", "gpu", "--n-eval", "8", "--out", tmp,
+                       "--test-lengths", str(max(TASKS[task].train_lengths)), *extra] + ([] if mps else ["--no-mps"])
+                tic = time.time()
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                wall = time.time() - tic
+                if done.returncode:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                rates = [json.loads(p.read_text())["steps_per_s"] for p in Path(tmp).glob("*/*/seed*/metrics.json")]
+            said = next((line for line in done.stdout.splitlines() if line.startswith("MPS:")), "")
+            used = "-" if n == 1 else "yes" if "started" in said or "using" in said else "no"
+            rows.append(dict(run=f"{task} {method}", n=n, mps=used, rates=rates, total=sum(rates), wall=wall))
+            print(f"jobs {task:10s} {method:6s} N={n} MPS {rows[-1]['mps']:3s} {sum(rates):8.1f} steps/s in all "
+                  f"({min(rates):.0f}-{max(rates):.0f} per run), {wall:.0f} s", flush=True)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    lines = [f"# Runs at once: {gpu} x {max(gpus, 1)}, torch {torch.__version__}, GPU preset, {steps} steps per run",
+             "", "| run | runs at once | MPS | steps/s per run | steps/s in all | x one run | per run (1 = no loss) "
+             "| wall s |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        one = next(b["total"] for b in rows if b["run"] == r["run"] and b["n"] == 1)
+        lines.append(f"| {r['run']} | {r['n']} | {r['mps']} | {min(r['rates']):.0f}-{max(r['rates']):.0f} | "
+                     f"{r['total']:.0f} | {r['total'] / one:.2f}x | {r['total'] / one / r['n']:.2f} | {r['wall']:.0f} |")
+    table = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "jobs.md").write_text(table)
+    print(table)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, all (the kernels) or train")
-    parser.add_argument("--steps", type=int, default=300, help="--op train: steps per run")
+    parser.add_argument("--op", default="all", help=f"one of {', '.join(OPS)}, all (the kernels), train or jobs")
+    parser.add_argument("--steps", type=int, default=None, help="--op train: steps per run (default 300); "
+                        "--op jobs: steps per run (default 3000)")
     parser.add_argument("--lengths", default=None, help="comma-separated T values (default: per op)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--heads", type=int, default=None, help="H (default: per op)")
@@ -359,7 +419,10 @@ def main(argv=None) -> int:
         print("bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
         return 2
     if args.op == "train":
-        run_train(args.steps, Path(args.out))
+        run_train(args.steps or 300, Path(args.out))
+        return 0
+    if args.op == "jobs":
+        run_jobs(args.steps or 3000, Path(args.out))
         return 0
     names = list(OPS) if args.op == "all" else [args.op]
     for name in names:

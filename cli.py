@@ -25,7 +25,9 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -385,11 +387,13 @@ class RunsFailed(Exception):
     """Some of several runs failed; the others ran to the end."""
 
 
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force: bool = False) -> list[str]:
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force: bool = False,
+             mps: bool = True) -> list[str]:
     """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
     <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
     those of the runs one after the other. A run that fails (a NaN loss, CUDA out of memory, ...)
-    does not stop the others: returns one line per failed run."""
+    does not stop the others: returns one line per failed run. With several jobs on a GPU they run
+    under CUDA MPS (`mps_daemon`) unless mps is False."""
     t0, failed = time.time(), []
 
     def failure(folder, e):
@@ -409,7 +413,9 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
           + "; each logs to <run>/train.log")
     ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
     spread = dict(initializer=take_gpu, initargs=(gpus, ctx.Value("i", 0))) if len(gpus) > 1 else {}
-    with ProcessPoolExecutor(jobs, mp_context=ctx, **spread) as pool:
+    shared = mps and gpus and min(jobs, len(cfgs)) > len(gpus)   # some GPU runs several jobs
+    with mps_daemon(Path(cfgs[0].out) / ".mps") if shared else contextlib.nullcontext(), \
+            ProcessPoolExecutor(jobs, mp_context=ctx, **spread) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
         for future in as_completed(futures):
             folder = futures[future].run_dir()
@@ -418,6 +424,71 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
             except Exception as e:
                 failure(folder, e)                       # its traceback is in its train.log
     return failed
+
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_WAIT = 10.0   # seconds: for the daemon to open its control pipe, and to quit before it is killed
+MPS_COST = ("the runs sharing a GPU take turns on it instead (measured: 8 runs at 1.32x one run's steps/s, "
+            "1.81x under MPS; docs/perf/training.md)")
+
+
+@contextlib.contextmanager
+def mps_daemon(folder: Path, log=print):
+    """CUDA MPS for the duration of the block, so that the kernels of the processes sharing a GPU run
+    side by side instead of taking turns. Starts `nvidia-cuda-mps-control -f` with its pipe and log
+    folders under `folder` (the pipe in /tmp when that path is too long for a socket), points the
+    processes started in the block at it through CUDA_MPS_PIPE_DIRECTORY, and on leaving, however the
+    block ends (Ctrl-C too), asks it to quit and ends it: nothing is left running. A daemon the user
+    runs already (CUDA_MPS_PIPE_DIRECTORY set) is used as it is. Where none can start, one line
+    says why and what that costs, and the block runs without."""
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        log(f"MPS: using the daemon at CUDA_MPS_PIPE_DIRECTORY={os.environ['CUDA_MPS_PIPE_DIRECTORY']}")
+        yield
+        return
+    exe = shutil.which(MPS_CONTROL)
+    if exe is None:
+        log(f"MPS: {MPS_CONTROL} not found; {MPS_COST}")
+        yield
+        return
+    pipe, logs = folder / "pipe", folder / "log"
+    logs.mkdir(parents=True, exist_ok=True)
+    if len(str(pipe.resolve())) > 80:                 # the daemon's sockets live in it (108-byte paths)
+        pipe = Path(tempfile.mkdtemp(prefix="mps-"))
+    pipe.mkdir(parents=True, exist_ok=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe.resolve()), "CUDA_MPS_LOG_DIRECTORY": str(logs.resolve())}
+    with open(logs / "daemon.out", "ab") as out:
+        daemon = subprocess.Popen([exe, "-f"], env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)   # Ctrl-C reaches us only
+    deadline = time.time() + MPS_WAIT
+    while daemon.poll() is None and not (pipe / "control").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    if daemon.poll() is not None or not (pipe / "control").exists():
+        stop_mps(exe, daemon, env)
+        said = (logs / "daemon.out").read_text(errors="replace").strip().splitlines()
+        why = said[-1] if said else f"no control pipe after {MPS_WAIT:g} s"
+        log(f"MPS: {MPS_CONTROL} did not start ({why}); {MPS_COST}")
+        yield
+        return
+    log(f"MPS: daemon started for these runs (logs in {logs})")
+    os.environ.update(env)                            # the processes started in the block inherit it
+    try:
+        yield
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+        stop_mps(exe, daemon, env)
+
+
+def stop_mps(exe: str, daemon: subprocess.Popen, env: dict):
+    """Ask the daemon to quit (it stops its server too); kill it if it has not gone within MPS_WAIT."""
+    if daemon.poll() is None:
+        try:
+            subprocess.run([exe], input=b"quit\n", env={**os.environ, **env}, capture_output=True,
+                           timeout=MPS_WAIT)
+            daemon.wait(timeout=MPS_WAIT)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
 
 
 def visible_gpus() -> list[str]:
@@ -449,8 +520,8 @@ def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> s
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}", file=f,
-                  flush=True)
+            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
+                  + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Exception:
@@ -553,6 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=int, help="processes making training batches per run (default: "
                    "0 on CPU; on CUDA the CPU cores per job less one, 1 to 8)")
     g.add_argument("--no-graphs", action="store_true", help="CUDA: run each step eagerly, not from CUDA graphs")
+    g.add_argument("--no-mps", action="store_true", help="CUDA: do not start an MPS daemon for jobs that share a "
+                   "GPU (by default one runs for the command's duration, where the machine allows)")
     g.add_argument("--out", default="runs", help="output root (default runs/)")
     g.add_argument("--tag", default="", help="suffix of the run name: runs/<task>/<method>-<tag>")
     g = p.add_argument_group("model")
@@ -695,7 +768,7 @@ def run_cli(args) -> int:
         run(cfgs[0], resume=args.resume, force=args.force)   # one run: its own error, e.g. a NaN loss, as it is
         failed = []
     else:
-        failed = run_many(cfgs, args.jobs, args.resume, args.force)
+        failed = run_many(cfgs, args.jobs, args.resume, args.force, mps=not args.no_mps)
     write_summaries(cfgs)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
@@ -759,7 +832,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, force=args.force)
+        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, force=args.force,
+                           mps=not args.no_mps)
         waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
         if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
             print(f"{name}: {len(waiting)} of its {len(cfgs)} runs belong to other shards and are not present yet: "

@@ -61,3 +61,14 @@ def test_every_task_makes_a_batch_of_256_quickly():
     from tasks import TASKS
     slow = {name: ms for name, task in TASKS.items() if (ms := bench.data_ms(task, repeats=3)) > 45}
     assert not slow, slow
+
+
+def test_jobs_throughput_table(tmp_path):
+    """--op jobs from real (tiny, CPU) train.py commands: one run, then two at once (twice: the
+    second with --no-mps); each row sums the runs' own steps/s."""
+    tiny = ["--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--batch-size", "4", "--train-lengths", "1-3"]
+    rows = bench.run_jobs(5, tmp_path, runs=[("copy", "rope")], counts=(1, 2), extra=tiny, device="cpu")
+    assert [(r["n"], len(r["rates"])) for r in rows] == [(1, 1), (2, 2), (2, 2)]
+    assert all(r["total"] == pytest.approx(sum(r["rates"])) and min(r["rates"]) > 0 for r in rows)
+    table = (tmp_path / "jobs.md").read_text()
+    assert "| copy rope | 1 | - |" in table and "| 1.00x | 1.00 |" in table and table.count("| copy rope | 2 | no |") == 2

@@ -1,5 +1,8 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -283,3 +286,92 @@ def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch
     assert len(list(tmp_path.glob("copy/*/seed*/train.log"))) == 4 and set(seen.values()) <= {"0", "1"}
     per_gpu = [sum(g == gpu for g in seen.values()) for gpu in ("0", "1")]
     assert max(per_gpu) <= 2                                   # all on one GPU would be 3 or 4 here
+
+
+FAKE_MPS = """#!/bin/sh
+# the control daemon's life as cli.mps_daemon sees it: -f opens the control pipe and runs until told to quit
+d="$CUDA_MPS_PIPE_DIRECTORY"
+if [ "$1" = "-f" ]; then
+  [ -n "$FAKE_MPS_FAIL" ] && { echo "$FAKE_MPS_FAIL"; exit 1; }
+  echo $$ > "$d/pid"; : > "$d/control"
+  while [ ! -e "$d/quit" ]; do sleep 0.05; done
+  rm -f "$d/control"; exit 0
+fi
+read cmd; [ "$cmd" = quit ] && [ -z "$FAKE_MPS_HANG" ] && : > "$d/quit"; exit 0
+"""
+
+
+def fake_mps(tmp_path, monkeypatch):
+    """A stand-in nvidia-cuda-mps-control first on PATH; returns where its pid file will be."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / cli.MPS_CONTROL).write_text(FAKE_MPS)
+    (bin_dir / cli.MPS_CONTROL).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(cli, "MPS_WAIT", 2.0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+TINY_JOBS = ["--task", "copy", "--methods", "nope,rope", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
+             "--steps", "3", "--batch-size", "4", "--n-eval", "4", "--train-lengths", "1-3", "--test-lengths", "2",
+             "--device", "cpu", "--jobs", "2"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
+def test_jobs_sharing_a_gpu_run_under_an_mps_daemon_that_ends_with_the_command(capsys, tmp_path, monkeypatch):
+    """Two jobs on one (faked) GPU: the command starts the daemon with its folders under the output,
+    both runs see it, and it has quit when the command returns."""
+    fake_mps(tmp_path, monkeypatch)
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "runs"))
+    assert code == 0 and "MPS: daemon started" in stdout, stdout
+    for log in (tmp_path / "runs").glob("copy/*/seed0/train.log"):
+        assert "under CUDA MPS" in log.read_text()
+    pid = int((tmp_path / "runs" / ".mps" / "pipe" / "pid").read_text())
+    assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
+def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkeypatch):
+    fake_mps(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_MPS_HANG", "1")                 # quit is ignored: the daemon is killed instead
+    monkeypatch.setattr(cli, "MPS_WAIT", 0.5)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        with cli.mps_daemon(tmp_path / "out" / ".mps", log=lines.append):
+            assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str((tmp_path / "out" / ".mps" / "pipe").resolve())
+            pid = int((tmp_path / "out" / ".mps" / "pipe" / "pid").read_text())
+            assert alive(pid)
+            raise KeyboardInterrupt
+    assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and len(lines) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
+def test_without_mps_the_jobs_run_and_one_line_says_what_it_costs(capsys, tmp_path, monkeypatch):
+    """No daemon program, or one that fails to start: one line each, and the runs still finish."""
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(cli, "MPS_CONTROL", "no-such-mps-control-program")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "a"))
+    line = [x for x in stdout.splitlines() if x.startswith("MPS:")]
+    assert code == 0 and len(line) == 1 and "not found; the runs sharing a GPU take turns" in line[0]
+    assert len(list((tmp_path / "a").glob("copy/*/seed0/metrics.json"))) == 2
+    monkeypatch.setattr(cli, "MPS_CONTROL", "nvidia-cuda-mps-control")
+    fake_mps(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_MPS_FAIL", "An instance of this daemon is already running")
+    code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "b"))
+    line = [x for x in stdout.splitlines() if x.startswith("MPS:")]
+    assert code == 0 and len(line) == 1 and "did not start (An instance of this daemon is already running)" in line[0]
+    assert len(list((tmp_path / "b").glob("copy/*/seed0/metrics.json"))) == 2
+    code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "c"), "--no-mps")
+    assert code == 0 and "MPS" not in stdout

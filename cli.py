@@ -34,7 +34,7 @@ import textwrap
 import threading
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 
@@ -387,6 +387,11 @@ class RunsFailed(Exception):
     """Some of several runs failed; the others ran to the end."""
 
 
+class RunStopped(Exception):
+    """A --jobs run stopped by a signal, with its checkpoint written (an Exception, unlike
+    Interrupted, so that its process pool hands it back like any other outcome)."""
+
+
 def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force: bool = False,
              mps: bool = True) -> list[str]:
     """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
@@ -412,17 +417,36 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
     print(f"{len(cfgs)} runs, {jobs} at a time" + (f" over GPUs {', '.join(gpus)}" if len(gpus) > 1 else "")
           + "; each logs to <run>/train.log")
     ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
-    spread = dict(initializer=take_gpu, initargs=(gpus, ctx.Value("i", 0))) if len(gpus) > 1 else {}
+    stop = ctx.Event()                                           # set: queued runs do not start
+    setup = dict(initializer=start_job, initargs=(gpus if len(gpus) > 1 else [], ctx.Value("i", 0), stop))
     shared = mps and gpus and min(jobs, len(cfgs)) > len(gpus)   # some GPU runs several jobs
-    with mps_daemon(Path(cfgs[0].out) / ".mps") if shared else contextlib.nullcontext(), \
-            ProcessPoolExecutor(jobs, mp_context=ctx, **spread) as pool:
+    stopped = []
+    with stop_signals() as flag, mps_daemon(Path(cfgs[0].out) / ".mps") if shared else contextlib.nullcontext(), \
+            ProcessPoolExecutor(jobs, mp_context=ctx, **setup) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
-        for future in as_completed(futures):
-            folder = futures[future].run_dir()
-            try:
-                print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
-            except Exception as e:
-                failure(folder, e)                       # its traceback is in its train.log
+        pending, passed_on = set(futures), False
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if flag["stop"] and not passed_on:   # Ctrl-C reaches every process of the group; `kill PID`
+                passed_on = True                 # only this one: the runs stop at their next step either way
+                stop.set()
+                for process in list(pool._processes.values()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process.pid, signal.SIGTERM)
+            for future in done:
+                folder = futures[future].run_dir()
+                try:
+                    print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
+                except RunStopped as e:
+                    stopped += [folder] if str(e) != NOT_STARTED else []
+                    print(f"  [{fmt_time(time.time() - t0)}] {folder}: " +
+                          ("not started" if str(e) == NOT_STARTED else "stopped, checkpoint written"), flush=True)
+                except Exception as e:
+                    failure(folder, e)           # its traceback is in its train.log
+    if flag["stop"]:
+        raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint "
+                          "(--resume continues a run from it; <run>/train.log says where each stopped)"
+                          + (f"; {len(failed)} failed" if failed else ""))
     return failed
 
 
@@ -500,9 +524,21 @@ def visible_gpus() -> list[str]:
     return [g.strip() for g in named.split(",")][:count] if named else [str(i) for i in range(count)]
 
 
+STOP = None                 # in a --jobs process: the command's stop event (start_job)
+NOT_STARTED = "not started"
+
+
+def start_job(gpus: list[str], counter, stop):
+    """A --jobs process's first act: keep the command's stop event, and with several GPUs take one."""
+    global STOP
+    STOP = stop
+    if gpus:
+        take_gpu(gpus, counter)
+
+
 def take_gpu(gpus: list[str], counter):
-    """A --jobs process's first act: take the next of the GPUs in turn (before CUDA starts in it), so
-    that the jobs spread evenly, ceil(jobs / GPUs) on each."""
+    """Take the next of the GPUs in turn (before CUDA starts in this process), so that the jobs
+    spread evenly, ceil(jobs / GPUs) on each."""
     with counter.get_lock():
         k, counter.value = counter.value, counter.value + 1
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
@@ -515,7 +551,10 @@ def check_failures(failed: list[str], n_runs: int):
 
 
 def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> str:
-    """run() with its progress lines in <run>/train.log; returns the one-line summary."""
+    """run() with its progress lines in <run>/train.log; returns the one-line summary. A run that a
+    signal stops raises RunStopped; one whose turn comes after the command was stopped, at once."""
+    if STOP is not None and STOP.is_set():
+        raise RunStopped(NOT_STARTED)
     path = cfg.run_dir() / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -524,6 +563,11 @@ def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> s
                   + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
+        except Interrupted as e:
+            print(e, file=f, flush=True)
+            if STOP is not None:
+                STOP.set()                 # the signal stops the command: its queued runs do not start
+            raise RunStopped(str(e)) from None
         except Exception:
             print(traceback.format_exc(), file=f, flush=True)
             raise

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import experiments
 import cli
@@ -375,3 +376,36 @@ def test_without_mps_the_jobs_run_and_one_line_says_what_it_costs(capsys, tmp_pa
     assert len(list((tmp_path / "b").glob("copy/*/seed0/metrics.json"))) == 2
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "c"), "--no-mps")
     assert code == 0 and "MPS" not in stdout
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["kill-parent", "ctrl-c-group"])
+def test_a_signal_stops_every_job_with_a_checkpoint_and_starts_no_queued_run(tmp_path, whole_group):
+    """--jobs 2 over three runs, then SIGTERM to the command alone (`kill PID`: it passes the signal
+    on) or to its whole group (Ctrl-C, `timeout`): the two running runs write their checkpoints,
+    the third never starts, the command says so and exits 130, and no job process is left."""
+    import re
+    import signal
+    import subprocess
+    import time
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "train.py", "--task", "copy", "--methods", "nope,rope,alibi",
+                             "--steps", "100000", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
+                             "--batch-size", "4", "--device", "cpu", "--jobs", "2", "--out", str(tmp_path)],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    logs = [tmp_path / "copy" / m / "seed0" / "train.log" for m in ("nope", "rope")]
+    deadline = time.time() + 120
+    while not all(p.exists() and "/ seed 0:" in p.read_text() for p in logs) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-2000:]
+    assert "stopped by signal 15: 2 of 3 runs wrote a checkpoint" in out and "alibi/seed0: not started" in out
+    for log in logs:
+        assert 1 <= torch.load(log.parent / "checkpoint.pt", weights_only=False)["step"] < 100000
+        assert "checkpoint written" in log.read_text()
+        pid = int(re.search(r"process (\d+)", log.read_text()).group(1))
+        time.sleep(0.5)
+        assert not alive(pid), f"job process {pid} is still running"
+    assert not (tmp_path / "copy" / "alibi" / "seed0" / "checkpoint.pt").exists()

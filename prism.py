@@ -48,7 +48,7 @@ from torch.nn.utils import parametrize
 
 from model import Hooks, Method, Model, ModelConfig, Opt, batch_context, causal_mask, note_logits, pick_backend
 
-BACKEND = None  # None = choose (Triton on CUDA without the copy branch, else "torch"); or "naive" | "torch" | "triton"
+BACKEND = None  # None = choose (Triton on CUDA, else "torch"); or "naive" | "torch" | "triton"
 
 
 # =============================================================================================
@@ -119,18 +119,15 @@ def histogram_step(h, p_reset, p_inc, p_dec, p_keep, gamma, p_copy=None, eps: fl
 
 
 def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, eps: float = 1e-6):
-    """Same contract as `histogram_scan_naive`. On CUDA (no copy branch) the Triton scan of
-    kernels/prism_scan.py: one program per (batch, cursor), forward and backward; otherwise the
+    """Same contract as `histogram_scan_naive`. On CUDA the Triton scan of kernels/prism_scan.py:
+    one program per (batch, cursor), forward and backward, copy branch included; otherwise the
     vectorised step in a loop over T (each step needs the last)."""
-    backend = pick_backend(BACKEND, "histogram_scan", p_reset.is_cuda, p_copy is None,
-                           "no Triton scan with the copy branch")
+    backend = pick_backend(BACKEND, "histogram_scan", p_reset.is_cuda, True)
     if backend == "naive":
         return histogram_scan_naive(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
     if backend == "triton":
-        if p_copy is not None:
-            raise ValueError("the Triton scan has no copy branch; use BACKEND = 'torch'")
         from kernels.prism_scan import histogram_scan_triton
-        return histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P, eps)
+        return histogram_scan_triton(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
     return _scan(histogram_step, p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy, eps)
 
 

@@ -82,17 +82,21 @@ DEV = "cuda" if GPU else "cpu"
 
 
 @pytest.mark.parametrize("B,N,T,P", [(2, 3, 1, 2), (2, 3, 9, 5), (1, 2, 40, 16), (1, 1, 20, 33)])
-def test_triton_scan_matches_naive(B, N, T, P):
+@pytest.mark.parametrize("copy", [False, True])
+def test_triton_scan_matches_naive(B, N, T, P, copy):
     """Through the interpreter on CPU (compiled on a GPU): float32 kernel vs the float64 reference,
-    output and the gradients of all four gates and gamma; float32 rounding ~1e-6 seen, 1e-4 allowed."""
+    output and the gradients of all four gates, gamma and the copy distribution; float32 rounding
+    ~1e-6 seen, 1e-4 allowed."""
     from kernels.prism_scan import histogram_scan_triton
-    xs, _ = gates(B, N, T, seed=T + P)
-    x32 = [x.detach().float().to(DEV).requires_grad_(True) for x in xs]
-    a, b = histogram_scan_triton(*x32, P), histogram_scan_naive(*xs, P)
+    xs, p_copy = gates(B, N, T, seed=T + P, copy_P=P if copy else None)
+    leaves = xs + ([p_copy] if copy else [])
+    x32 = [x.detach().float().to(DEV).requires_grad_(True) for x in leaves]
+    a = histogram_scan_triton(*x32[:5], P, x32[5] if copy else None)
+    b = histogram_scan_naive(*xs, P, p_copy)
     assert (a.double().cpu() - b).abs().max() < 1e-5
     up = torch.randn_like(b)
-    for name, ga, gb in zip(["reset", "inc", "dec", "keep", "gamma"], torch.autograd.grad(a, x32, up.float().to(DEV)),
-                            torch.autograd.grad(b, xs, up)):
+    for name, ga, gb in zip(["reset", "inc", "dec", "keep", "gamma", "copy"],
+                            torch.autograd.grad(a, x32, up.float().to(DEV)), torch.autograd.grad(b, leaves, up)):
         diff = (ga.double().cpu() - gb).abs()
         assert diff.max() <= 1e-4 * max(1.0, gb.abs().max().item()), f"{name}: max {diff.max():.2e} mean {diff.mean():.2e}"
 
@@ -110,11 +114,34 @@ def test_triton_scan_gpu_large():
     assert all(torch.isfinite(x.grad).all() for x in x32)
 
 
-def test_triton_backend_refuses_the_copy_branch(monkeypatch):
-    xs, copy = gates(1, 1, 3, copy_P=4)
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_triton_scan_gpu_large_with_copy():
+    """The copy branch at a training size: the kernel against the vectorised step, and its gradients."""
+    from kernels.prism_scan import histogram_scan_triton
+    xs, p_copy = gates(4, 8, 300, seed=2, copy_P=256)
+    x32 = [x.detach().float().cuda().requires_grad_(True) for x in xs + [p_copy]]
+    a = histogram_scan_triton(*x32[:5], 256, x32[5])
+    b = prism._scan(histogram_step, *[x.detach().float().cuda() for x in xs], 256, p_copy.detach().float().cuda())
+    assert (a - b).abs().max() < 1e-4
+    a.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in x32)
+
+
+def test_the_copy_branch_takes_the_triton_scan_on_cuda(monkeypatch):
+    """The dispatcher sends the copy branch to the kernel (forced here; on CUDA by default) with the
+    same result as the PyTorch loop."""
+    xs, copy = gates(1, 2, 6, dtype=torch.float32, copy_P=4)
+    monkeypatch.setattr(prism, "BACKEND", "torch")
+    want = histogram_scan(*xs, 4, copy)
     monkeypatch.setattr(prism, "BACKEND", "triton")
-    with pytest.raises(ValueError, match="no copy branch"):
-        histogram_scan(*xs, 4, copy)
+    got = histogram_scan(*xs, 4, copy)
+    assert (got - want).abs().max() < 1e-5
+    asked = []
+    monkeypatch.setattr(prism, "BACKEND", None)
+    monkeypatch.setattr(prism, "pick_backend", lambda *a, **k: asked.append(a) or "torch")
+    histogram_scan(*xs, 4, copy)
+    assert asked[0][3] is True                       # has_kernel: CUDA would take the kernel
 
 
 def test_counting_tokens_gives_absolute_position():

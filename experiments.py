@@ -302,6 +302,13 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4, batch_size=64)
 
 
+# The PaTH paper (section 4.1) gives the models of its synthetic tasks but no optimiser, budget or seeds:
+# the full setups keep the quick runs' optimiser (the GPU preset), train longer and test on more examples.
+PATH_FULL = ("the paper's model (section 4.1), which is all the paper states for these tasks: no optimiser, "
+             "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch}, about what fits "
+             "9 minutes a run alone (from the quick runs' speeds, not measured at this setup); {eval}; not run yet")
+
+
 EXPERIMENTS: dict[str, Experiment] = {
     "path-flipflop": Experiment(
         claim="Flip-flop LM, 1 layer, 2 heads, d=64: error % ID / sparse / dense",
@@ -310,7 +317,10 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
         scaled="5k steps x 64 sequences for every method (the paper does not state its budget); 256 eval "
                "sequences per setting, so the smallest measurable non-zero error is ~0.03 %",
-        seeds=[0, 1, 2]),
+        seeds=[0, 1, 2],
+        full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
+                  seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
+                                                           "setting (smallest non-zero error ~0.0005 %)"))),
     "path-a5": Experiment(
         claim="A5 word problem over the generators (1 2 3), (1 2 4), (1 2 5) and their inverses, sequences "
               "of 20: PaTH needs fewer layers than RoPE to solve it (solved = accuracy above 90 %; the paper: "
@@ -322,7 +332,11 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
         scaled="12k steps x 128 sequences of length 20, d=256, 4 heads, one seed per depth (earlier runs drew the "
                "tokens from all 60 elements, --task-opt alphabet=elements: at 2k-5k steps no method learned it)",
-        sweep=("layers", 0)),
+        sweep=("layers", 0),
+        full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)
+                        for n in (1, 2, 3, 4) for m in ("rope", "path")],
+                  seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="40k", batch=128, eval="2,048 test sequences per "
+                                                           "length; 1-4 layers, d = 256, 4 heads"))),
     "path-mqrar": Experiment(
         claim="Multi-query repeated associative recall with N-back (MQRAR-N), 2 layers, d=256, 2 heads: "
               "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
@@ -331,7 +345,11 @@ EXPERIMENTS: dict[str, Experiment] = {
         columns=[("token acc", (384, 384), "token")],
         paper={},
         scaled="2k steps x 64 sequences of 384 assignments, one seed per setting (the paper trains to convergence)",
-        sweep=("N (n-back)", 0)),
+        sweep=("N (n-back)", 0),
+        full=dict(runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=12_000, n_eval=1024)
+                        for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
+                  seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="12k", batch=64, eval="1,024 test sequences; 32 "
+                                                           "keys, 384 assignments (768 tokens), as in the paper"))),
     "vipe-poly": _vipe_experiment("polynomial"),
     "vipe-parity": _vipe_experiment("parity"),
     "vipe-binary-copy": _vipe_experiment("binary_copy"),

@@ -222,6 +222,9 @@ class Experiment:
                                  # each run's tag (e.g. L2 -> 2), one line per method
     full: dict | None = None     # the paper's own setup (--budget full): its "runs", "seeds" and "scaled"
                                  # (what still differs from the paper); None: not defined yet
+    checks: list = field(default_factory=list)  # the claim as comparisons for `verdict`: (a, b, column
+                                 # index), "a does better than b there"; a and b are runs ("task/label") or
+                                 # numbers (a threshold the run's mean must beat, or stay below)
 
 
 BUDGETS = ("quick", "full")
@@ -236,7 +239,10 @@ def at_budget(exp: Experiment, budget: str) -> Experiment:
         raise ValueError("has no full setup yet")
     runs = [{**run, "tag": "-".join(t for t in (run.get("tag", ""), "full") if t)} for run in exp.full["runs"]]
     paper = {f"{label}-full": cells for label, cells in exp.paper.items()}
-    return replace(exp, runs=runs, seeds=exp.full["seeds"], scaled=exp.full["scaled"], paper=paper, full=None)
+    checks = [tuple(f"{x}-full" if isinstance(x, str) else x for x in (a, b)) + (col,)
+              for a, b, col in exp.full.get("checks", exp.checks)]
+    return replace(exp, runs=runs, seeds=exp.full["seeds"], scaled=exp.full["scaled"], paper=paper, full=None,
+                   checks=checks)
 
 
 VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
@@ -246,6 +252,15 @@ VIPE_SEEDS = [0, 42, 123, 2025, 7811, 9527, 13579, 23343]    # the paper's eight
 # 32,768 sequences (256k steps); 65,536 test sequences, 2,048 per length.
 VIPE_PAPER = dict(steps=256_000, batch_size=256, lr=3e-4, min_lr_ratio=1.0, weight_decay=0.0, train_set=32_768,
                   n_eval=2048)
+
+
+HIGH = 0.5   # "high", "generalises", "extrapolates" where a paper gives no number: exact match above this
+
+
+def _vipe_checks(task: str, baselines) -> list:
+    """ViPE beats each baseline of its depth at 17-24 (1.5x the training length), and is high there."""
+    return [(f"{task}/vipe-L{n}", f"{task}/{m}-L{n}", 1) for n in (2, 3) for m in baselines] + \
+        [(f"{task}/vipe-L{n}", HIGH, 1) for n in (2, 3)]
 
 
 def _vipe_experiment(task: str) -> Experiment:
@@ -265,9 +280,9 @@ def _vipe_experiment(task: str) -> Experiment:
                "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 3 seeds (the paper: best of 8 with "
                "in-distribution accuracy > 0.85); one task per experiment so that each fits in about ten minutes; "
                "ViPE-L2/L3 and NoPE-L3 at 16k steps: docs/results/vipe-budget",
-        seeds=[0, 1, 2], select=("best_seed",),
+        seeds=[0, 1, 2], select=("best_seed",), checks=_vipe_checks(task, VIPE_METHODS[:-1]),
         full=dict(runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n, **VIPE_PAPER, **VIPE_FINETUNE.get(m, {}))
-                        for n in (2, 3) for m in ("nope", "vipe")], seeds=VIPE_SEEDS,
+                        for n in (2, 3) for m in ("nope", "vipe")], seeds=VIPE_SEEDS, checks=_vipe_checks(task, ["nope"]),
                   scaled="the paper's setup (Adam at a constant lr 3e-4, batch 256, 256k steps over a fixed set of "
                          "32,768 sequences, 2,048 test sequences per length, its 8 seeds), d = 128; only NoPE (the "
                          "strongest baseline of the quick runs) and ViPE; AdamW's eps 1e-6 (PyTorch's 1e-8 spikes "
@@ -317,7 +332,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
         scaled="5k steps x 64 sequences for every method (the paper does not state its budget); 256 eval "
                "sequences per setting, so the smallest measurable non-zero error is ~0.03 %",
-        seeds=[0, 1, 2],
+        seeds=[0, 1, 2], checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
                                                            "setting (smallest non-zero error ~0.0005 %)"))),
@@ -333,6 +348,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="12k steps x 128 sequences of length 20, d=256, 4 heads, one seed per depth (earlier runs drew the "
                "tokens from all 60 elements, --task-opt alphabet=elements: at 2k-5k steps no method learned it)",
         sweep=("layers", 0),
+        checks=[("a5/path-L2", 0.9, 0), (0.9, "a5/rope-L2", 0), (0.9, "a5/rope-L3", 0), ("a5/rope-L4", 0.9, 0)],
         full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)
                         for n in (1, 2, 3, 4) for m in ("rope", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="40k", batch=128, eval="2,048 test sequences per "
@@ -346,6 +362,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={},
         scaled="2k steps x 64 sequences of 384 assignments, one seed per setting (the paper trains to convergence)",
         sweep=("N (n-back)", 0),
+        checks=[(f"mqrar/path-N{n}", f"mqrar/{m}-N{n}", 0) for n in (2, 3) for m in ("rope", "fox")]
+        + [("mqrar/path-N3", 0.9, 0)],
         full=dict(runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=12_000, n_eval=1024)
                         for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="12k", batch=64, eval="1,024 test sequences; 32 "
@@ -362,7 +380,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                "encoder-decoder setting); exact match over every command of each split (3,920 in the test split); "
                "a causal decoder over `command = actions` (no prefix-LM mask: the causal kernels take none); "
                "ViPE fine-tuned 200 steps with s = 48 / 22",
-        seeds=[0, 1, 2], select=("best_seed",)),
+        seeds=[0, 1, 2], select=("best_seed",),
+        checks=[("scan/vipe", "scan/nope", 1), ("scan/nope", "scan/rope", 1), ("scan/rope", "scan/ape", 1)]),
     "prism-copy": Experiment(
         claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
               "APE with a random position shift fails (paper Fig. 3)",
@@ -373,7 +392,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum "
                "compressed into the first half of the steps; 3 seeds, evaluated every 1000 steps for the paper's "
                "rule (mean of the top 3 evaluations); " + _PRISM_RUNS,
-        seeds=[0, 1, 2], select=("top3",)),
+        seeds=[0, 1, 2], select=("top3",),
+        checks=[("copy/prism", "copy/ape", c) for c in (1, 2, 3)] + [("copy/prism", 0.9, 3)]),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
               "20-30 digits, APE fails (paper Fig. 4)",
@@ -383,7 +403,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 3 "
                "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS
                + "; with the paper's 5 layers: docs/results/prism-add-depth",
-        seeds=[0, 1, 2], select=("top3",)),
+        seeds=[0, 1, 2], select=("top3",),
+        checks=[("add_cot/prism", "add_cot/ape", c) for c in (1, 2)] + [("add_cot/prism", HIGH, c) for c in (1, 2)]),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
@@ -405,7 +426,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
-               "2x and 4x the steps: docs/results/prism-more-budget)"),
+               "2x and 4x the steps: docs/results/prism-more-budget)",
+        checks=[(f"{t}/prism", HIGH, 1) for t in ("reverse", "odds_first", "stack", "dyn_str_cpy", "mul_cot", "scan_cot")]),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises to 49-digit sums, with high fluctuations (UPE paper Fig. 2)",
@@ -420,6 +442,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums); 2 seeds (the 768-wide "
                "model's runs share one GPU); RPE at 14k steps: docs/results/upe-add-budget",
         seeds=[0, 1], select=("held_out", (6, 8)),
+        checks=[("add_padded/rpe", "add_padded/ape", c) for c in (1, 2, 3, 4)] + [("add_padded/rpe", HIGH, 4)],
         full=dict(runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
                              steps=15_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8],
                              **UPE_BERT)
@@ -441,6 +464,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
                "steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
                "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget",
+        checks=[("mul_padded/upe-m3", "mul_padded/rpe-m3", 3), ("mul_padded/upe-m3", "mul_padded/ape-m3", 3),
+                ("mul_padded/upe-m3", 0.8, 3)],
         full=dict(runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
                              n_layers=6 if d == 1 else 9, steps=15_000 if d == 1 else 20_000,
                              train_set=100_000 if d == 1 else 500_000, **UPE_BERT)
@@ -451,6 +476,68 @@ EXPERIMENTS: dict[str, Experiment] = {
                          "the 768-wide runs' 34-58 steps/s on a shared H100 (docs/results/mul_padded-bert); not run "
                          "yet")),
 }
+
+
+# =============================================================================================
+# The verdict: does the claim hold in these runs?
+# =============================================================================================
+
+MIN_SEEDS = 3
+
+
+def seed_values(out: Path, run: str, selector, metric: str) -> dict[int, float]:
+    """One column's value for each seed of a run ("task/label"), from out/task/label/seed*/metrics.json."""
+    values = {}
+    for path in sorted((out / run).glob("seed*/metrics.json")):
+        m = read_metrics(path, ("seed", "eval", "train_max_length"))
+        if m is not None and (v := one_seed(m["eval"], m, selector, metric)) is not None:
+            values[m["seed"]] = v
+    return values
+
+
+def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
+    """The rule of SPEC section 6 for an experiment's claim (exp.checks): a comparison of two runs holds
+    when it holds in the mean over seeds and in at least two thirds of the seeds both ran (2 of 3); a
+    threshold holds in the mean. "yes" when every check holds, "no" when none does, else "partly";
+    no verdict with fewer than MIN_SEEDS seeds or a run missing. Returns it and one line per check."""
+    if not exp.checks:
+        return "no verdict (the claim has no checks)", []
+    lines, held, short = [], [], []
+    for a, b, col in exp.checks:
+        name, selector, metric = exp.columns[col]
+        lower = metric == "error"                             # lower is better for errors only
+        beats = (lambda x, y: x < y) if lower else (lambda x, y: x > y)  # noqa: E731
+        runs = {x: seed_values(out, x, selector, metric) for x in (a, b) if isinstance(x, str)}
+        if any(not v for v in runs.values()):
+            lines.append(f"{a} vs {b} in {name}: " + ", ".join(f"{x} not run" for x, v in runs.items() if not v))
+            short.append(True)
+            held.append(False)
+            continue
+        mean = {x: float(np.mean(list(v.values()))) for x, v in runs.items()}
+        va, vb = mean.get(a, a), mean.get(b, b)
+        ok = beats(va, vb)
+        if isinstance(a, str) and isinstance(b, str):
+            say = f"{a} {'below' if lower else 'above'} {b} in {name}: mean {va:.3f} vs {vb:.3f}"
+        elif isinstance(a, str):
+            say = f"{a} {'below' if lower else 'above'} {b:g} in {name}: mean {va:.3f}"
+        else:
+            say = f"{b} {'above' if lower else 'below'} {a:g} in {name}: mean {vb:.3f}"
+        n_seeds = min(len(v) for v in runs.values())
+        if len(runs) == 2:
+            both = sorted(set(runs[a]) & set(runs[b]))
+            wins = sum(beats(runs[a][k], runs[b][k]) for k in both)
+            ok = ok and 3 * wins >= 2 * len(both)
+            n_seeds = len(both)
+            say += f"; {wins} of {len(both)} seeds"
+        short.append(n_seeds < MIN_SEEDS)
+        held.append(ok)
+        lines.append(say + (" -- holds" if ok else " -- does not hold") + (f" ({n_seeds} seeds)" if n_seeds < MIN_SEEDS
+                                                                             else ""))
+    if any(short):
+        word = f"no verdict (fewer than {MIN_SEEDS} seeds, or a run missing)"
+    else:
+        word = "yes" if all(held) else "no" if not any(held) else "partly"
+    return f"{word}: {sum(held)} of {len(held)} checks hold", lines
 
 
 def experiment_table(name: str, exp: Experiment, out: Path) -> str:
@@ -486,6 +573,11 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             source, cells = paper_rule(exp, seeds)
             lines.append(f"| {run['task']}/{label} | this repo, {source} | " + " | ".join(cells)
                          + f" | {len(seeds)} | | |")
+    if not exp.checks:
+        return "\n".join(lines)
+    word, checks = verdict(exp, out)
+    lines += ["", f"Verdict (each comparison in the mean over seeds and in 2 of 3 seeds, a threshold in the mean; "
+                  f"last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines)
 
 

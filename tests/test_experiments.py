@@ -409,3 +409,52 @@ def test_a_signal_stops_every_job_with_a_checkpoint_and_starts_no_queued_run(tmp
         time.sleep(0.5)
         assert not alive(pid), f"job process {pid} is still running"
     assert not (tmp_path / "copy" / "alibi" / "seed0" / "checkpoint.pt").exists()
+
+
+def write_seed(out, run, seed, exact_beyond, token=None):
+    """A seed's metrics with exact match 1 at length 1 (the training length) and `exact_beyond` at 2."""
+    rows = [{"name": str(L), "length": L, "variant": None, "n": 10, "exact": e, "token": e if token is None else token}
+            for L, e in ((1, 1.0), (2, exact_beyond))]
+    path = out / run / f"seed{seed}" / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seed": seed, "eval": rows, "train_max_length": 1}))
+
+
+def test_verdict_follows_the_rule_mean_and_two_of_three_seeds(tmp_path):
+    """A comparison holds in the mean AND in 2 of 3 seeds; a threshold in the mean; a tie does not hold;
+    fewer than 3 seeds or a missing run give no verdict; errors compare the other way round."""
+    for seed, (a, b) in enumerate([(0.9, 0.1), (0.8, 0.2), (0.1, 0.3)]):
+        write_seed(tmp_path, "t/a", seed, a)   # a beats b in 2 of 3 seeds and in the mean (0.60 vs 0.20)
+        write_seed(tmp_path, "t/b", seed, b)
+        write_seed(tmp_path, "t/e", seed, b)   # e ties with b
+    exp = lambda checks, metric="exact": experiments.Experiment(  # noqa: E731
+        claim="", runs=[], columns=[("beyond", (2, 2), metric)], paper={}, scaled="", checks=checks)
+    assert experiments.verdict(exp([("t/a", "t/b", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
+    assert experiments.verdict(exp([("t/b", "t/a", 0)]), tmp_path)[0].startswith("no: 0 of 1")
+    word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/a", 0.7, 0), ("t/e", "t/b", 0)]), tmp_path)
+    assert word.startswith("partly: 1 of 3") and "t/a above 0.7 in beyond: mean 0.600 -- does not hold" in lines[1]
+    assert "2 of 3 seeds -- holds" in lines[0] and "0 of 3 seeds -- does not hold" in lines[2]   # a tie
+    write_seed(tmp_path, "t/d", 0, 0.9)
+    write_seed(tmp_path, "t/d", 1, 0.0)
+    write_seed(tmp_path, "t/d", 2, 0.0)       # mean 0.30 beats b's 0.20, but in 1 of 3 seeds only
+    assert experiments.verdict(exp([("t/d", "t/b", 0)]), tmp_path)[0].startswith("no: 0 of 1")
+    # error % (100 x (1 - token accuracy)): lower is better, a's 40 % below b's 80 %
+    word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/b", "t/a", 0)], "error"), tmp_path)
+    assert word.startswith("partly: 1 of 2") and lines[0].startswith("t/a below t/b in beyond: mean 40.000 vs 80.000")
+    assert experiments.verdict(exp([("t/a", "t/missing", 0)]), tmp_path)[0].startswith("no verdict")
+    write_seed(tmp_path, "t/two", 0, 1.0)
+    write_seed(tmp_path, "t/two", 1, 1.0)
+    assert experiments.verdict(exp([("t/two", "t/b", 0)]), tmp_path)[0].startswith("no verdict")
+
+
+def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
+    """Each check names runs of the experiment (at both budgets) and one of its columns."""
+    for name, exp in experiments.EXPERIMENTS.items():
+        for budget in ("quick", "full") if exp.full else ("quick",):
+            e = experiments.at_budget(exp, budget)
+            labels = {f"{r['task']}/{r['method']}" + (f"-{r['tag']}" if r.get("tag") else "") for r in e.runs}
+            assert e.checks, name
+            for a, b, col in e.checks:
+                assert 0 <= col < len(e.columns), (name, col)
+                for x in (a, b):
+                    assert isinstance(x, float) or x in labels, (name, budget, x)

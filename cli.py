@@ -133,6 +133,8 @@ def validate(cfg: TrainConfig) -> Task:
     for flag, value, ok, need in numeric_checks(cfg):
         if not ok:
             raise UsageError(f"{flag} must be {need}, got {value}")
+    if cfg.curriculum_steps and not cfg.curriculum:
+        raise UsageError("--curriculum-steps sets the schedule of --curriculum: give both")
     if cfg.train_set and cfg.curriculum:
         raise UsageError("--train-set and --curriculum do not go together (a fixed set has fixed lengths)")
     check_paths(cfg)
@@ -224,6 +226,7 @@ def numeric_checks(cfg: TrainConfig):
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
             ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--curriculum-steps", cfg.curriculum_steps, cfg.curriculum_steps >= 0, ">= 0"),
             ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
              "0 or at least the batch size"),
             ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
@@ -237,8 +240,8 @@ def check_method(method: str):
 
 
 # Fields that must agree between a checkpoint and the run resuming it.
-RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "train_set",
-               "model"]
+RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "curriculum_steps",
+               "train_set", "model"]
 
 
 def check_resume(cfg: TrainConfig):
@@ -694,6 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("bf16", "fp32"), help="CUDA: bf16 autocast (default) or float32 "
                    "throughout; the CPU always runs float32")
     g.add_argument("--curriculum", action="store_true", default=None, help="grow the training length (PRISM)")
+    g.add_argument("--curriculum-steps", type=int, metavar="N", help="with --curriculum, the PRISM paper's schedule: "
+                   "length 5 for N steps, 10 for N, then 10 more every 2N (the paper: 5000); default: the stages "
+                   "spread over the first half of the steps")
     g.add_argument("--train-set", type=int, help="train on a fixed set of N problems, a new order each epoch "
                    "(the ViPE paper: 32768); default: fresh problems every step")
     g = p.add_argument_group("data and evaluation")
@@ -792,7 +798,7 @@ def run_cli(args) -> int:
                   warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
                   beta2=args.beta2, dropout=args.dropout,
                   adam_eps=args.adam_eps, precision=args.precision,
-                  curriculum=args.curriculum, train_set=args.train_set,
+                  curriculum=args.curriculum, curriculum_steps=args.curriculum_steps, train_set=args.train_set,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,

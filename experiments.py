@@ -313,6 +313,46 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
                "input weights fixed at their random start and random gate biases")
 
 
+# The PRISM paper's setup (its section 6.4 and appendix): 5 layers; 140 cursors as 35 heads of 4 (the model
+# needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
+# (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
+# curriculum on its schedule; evaluated every 1k steps on 1,000 examples, reported as the mean of the 3 best.
+# Its 150k steps do not fit 9 minutes: 40k (by then the length-40 tasks have reached their last stage).
+PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
+                   curriculum_steps=5000, eval_every=1000, n_eval=1000, steps=40_000)
+PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
+# Its baseline: 5 layers, 8 heads, width 512, tied embeddings, randomly shifted sinusoidal APE.
+PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shift=100)
+PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
+              "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
+              "1,000 examples) with a width of 210 for its 192 (35 heads must divide it) and 40k of its 150k steps "
+              "(27 %); the gate head starting to count as in the quick runs (the paper gives no initialisation); "
+              "{more}; not run yet")
+
+
+_PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
+                    steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True, **COUNT}),
+               dict(task="odds_first", method="prism", curriculum=True, n_layers=5,
+                    opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
+               dict(task="stack", method="prism", curriculum=True, n_layers=5,
+                    opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
+               dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5,
+                    opts={"prism_copy": True, **COUNT}),
+               dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, steps=2000,
+                    opts={"prism_bins": 1280, **COUNT}),
+               dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True, **COUNT})]
+
+
+def _prism_more_full(run: dict) -> dict:
+    """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
+    full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS}}
+    if "train_lengths" in run:
+        full["train_lengths"] = run["train_lengths"]
+    if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run
+        full.update(curriculum=False, curriculum_steps=0)
+    return full
+
+
 # The UPE paper's BERT (its appendix B) without its layer count, which differs per experiment.
 UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4, batch_size=64)
 
@@ -393,7 +433,11 @@ EXPERIMENTS: dict[str, Experiment] = {
                "compressed into the first half of the steps; 3 seeds, evaluated every 1000 steps for the paper's "
                "rule (mean of the top 3 evaluations); " + _PRISM_RUNS,
         seeds=[0, 1, 2], select=("top3",),
-        checks=[("copy/prism", "copy/ape", c) for c in (1, 2, 3)] + [("copy/prism", 0.9, 3)]),
+        checks=[("copy/prism", "copy/ape", c) for c in (1, 2, 3)] + [("copy/prism", 0.9, 3)],
+        full=dict(runs=[dict(task="copy", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
+                        dict(task="copy", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
+                  scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
+                                                "embeddings, shift 100)"))),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
               "20-30 digits, APE fails (paper Fig. 4)",
@@ -404,21 +448,15 @@ EXPERIMENTS: dict[str, Experiment] = {
                "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS
                + "; with the paper's 5 layers: docs/results/prism-add-depth",
         seeds=[0, 1, 2], select=("top3",),
-        checks=[("add_cot/prism", "add_cot/ape", c) for c in (1, 2)] + [("add_cot/prism", HIGH, c) for c in (1, 2)]),
+        checks=[("add_cot/prism", "add_cot/ape", c) for c in (1, 2)] + [("add_cot/prism", HIGH, c) for c in (1, 2)],
+        full=dict(runs=[dict(task="add_cot", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
+                        dict(task="add_cot", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
+                  scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
+                                                "embeddings, shift 100)"))),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
-        runs=[dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
-                   steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True, **COUNT}),
-              dict(task="odds_first", method="prism", curriculum=True, n_layers=5,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
-              dict(task="stack", method="prism", curriculum=True, n_layers=5,
-                   opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
-              dict(task="dyn_str_cpy", method="prism", curriculum=True, n_layers=5,
-                   opts={"prism_copy": True, **COUNT}),
-              dict(task="mul_cot", method="prism", curriculum=True, n_layers=5, steps=2000,
-                   opts={"prism_bins": 1280, **COUNT}),
-              dict(task="scan_cot", method="prism", n_layers=5, steps=2000, opts={"prism_copy": True, **COUNT})],
+        runs=_PRISM_MORE,
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
         scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; reverse "
@@ -427,6 +465,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
                "2x and 4x the steps: docs/results/prism-more-budget)",
+        full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2],
+                  scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
+                                                "in five); bins and blocks as in the quick runs")),
         checks=[(f"{t}/prism", HIGH, 1) for t in ("reverse", "odds_first", "stack", "dyn_str_cpy", "mul_cot", "scan_cot")]),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "

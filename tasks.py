@@ -165,13 +165,18 @@ def sample_mixed(task: Task, n: int, lengths: list[int], rng: np.random.Generato
     return collate(parts, task.pad_id)
 
 
-def curriculum_lengths(step: int, steps: int, lengths: list[int]) -> list[int]:
-    """PRISM's length curriculum (section 6.4) scaled to a run of `steps` steps: the maximum length
-    steps through 5, 10, 20, 30, ... up to the largest training length during the first half of
-    the steps, in equal parts, then stays there."""
+def curriculum_lengths(step: int, steps: int, lengths: list[int], stage_steps: int = 0) -> list[int]:
+    """PRISM's length curriculum (section 6.4): the maximum length steps through 5, 10, 20, 30, ...
+    up to the largest training length, then stays there. With stage_steps = N > 0 the paper's own
+    schedule: 5 for N steps, 10 for the next N, then 10 more every 2N steps (the paper: N = 5k);
+    with 0, scaled to a run of `steps` steps: the stages in equal parts of its first half."""
     top = max(lengths)
     caps = [c for c in [5] + list(range(10, top, 10)) if c < top] + [top]
-    stage = min(len(caps) - 1, int(step / max(1, steps // 2) * len(caps)))
+    if stage_steps:
+        stage = min(len(caps) - 1, step // stage_steps if step < 2 * stage_steps else 2 + (step - 2 * stage_steps)
+                    // (2 * stage_steps))
+    else:
+        stage = min(len(caps) - 1, int(step / max(1, steps // 2) * len(caps)))
     allowed = [L for L in lengths if L <= caps[stage]]
     return allowed or [min(lengths)]
 
@@ -179,15 +184,17 @@ def curriculum_lengths(step: int, steps: int, lengths: list[int]) -> list[int]:
 class TrainBatches(torch.utils.data.Dataset):
     """The training stream: step s's batch is sample_mixed with the generator seeded by (seed, s),
     so worker processes can make batches ahead of the loop in any order, and a resumed run
-    continues the same stream. With curriculum, the lengths of step s are curriculum_lengths'.
+    continues the same stream. With curriculum, the lengths of step s are curriculum_lengths' (with
+    curriculum_steps as its stage_steps).
     With train_set = N > 0 (the ViPE paper's fixed training set) the problems come from one set of
     N drawn once from the seed, in a new order each epoch of N // batch_size steps (the order of
     epoch e seeded by (seed, e)); batches keep the set's padded width."""
 
     def __init__(self, task: Task, lengths: list[int], batch_size: int, seed: int, steps: int,
-                 curriculum: bool = False, train_set: int = 0, **opts):
+                 curriculum: bool = False, train_set: int = 0, curriculum_steps: int = 0, **opts):
         self.task, self.lengths, self.batch_size, self.seed = task, lengths, batch_size, seed
         self.steps, self.curriculum, self.train_set, self.opts = steps, curriculum, train_set, opts
+        self.curriculum_steps = curriculum_steps
         self._set = None                    # the fixed set, made on first use (in each worker)
 
     def __len__(self):
@@ -203,7 +210,8 @@ class TrainBatches(torch.utils.data.Dataset):
             rows = torch.from_numpy(order[k * self.batch_size:(k + 1) * self.batch_size])
             s = self._set
             return Batch(s.x[rows], s.y[rows], s.length[rows], None if s.slot is None else s.slot[rows])
-        lengths = curriculum_lengths(step, self.steps, self.lengths) if self.curriculum else self.lengths
+        lengths = curriculum_lengths(step, self.steps, self.lengths, self.curriculum_steps) if self.curriculum \
+            else self.lengths
         return sample_mixed(self.task, self.batch_size, lengths, np.random.default_rng([self.seed, 0, step]),
                             **self.opts)
 

@@ -184,6 +184,7 @@ class TrainConfig:
     test_lengths: list | None = None    # problem lengths evaluated (None: the task's)
     task_opts: dict = field(default_factory=dict)  # options passed to task.sample (e.g. n_back)
     curriculum: bool = False          # grow the maximum training length over the first half
+    curriculum_steps: int = 0         # > 0: the curriculum on PRISM's own schedule (tasks.curriculum_lengths)
     train_set: int = 0                # > 0: a fixed training set of this many problems (0: fresh every step)
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
@@ -537,7 +538,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
 def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: int):
     """The training batches of steps start .. end - 1 (tasks.TrainBatches), cfg.workers processes ahead."""
     stream = TrainBatches(task, lengths, cfg.batch_size, cfg.seed, cfg.steps, cfg.curriculum, cfg.train_set,
-                          **cfg.task_opts)
+                          cfg.curriculum_steps, **cfg.task_opts)
     return stream.loader(start, end, cfg.workers)
 
 

@@ -305,7 +305,8 @@ def test_every_numeric_check_rejects_a_bad_value(tmp_path):
            "--beta2": ("beta2", 1.0), "--adam-eps": ("adam_eps", 0.0), "--precision": ("precision", "fp16"),
            "--dropout": ("model.dropout", 1.0), "--min-lr-ratio": ("min_lr_ratio", 1.5),
            "grad_clip": ("grad_clip", float("inf")), "--n-eval": ("n_eval", 0), "--eval-every": ("eval_every", -1),
-           "--workers": ("workers", -1), "--train-set": ("train_set", 3), "ckpt_every": ("ckpt_every", 0), "--d-model": ("model.d_model", 0),
+           "--workers": ("workers", -1), "--train-set": ("train_set", 3),
+           "--curriculum-steps": ("curriculum_steps", -1), "ckpt_every": ("ckpt_every", 0), "--d-model": ("model.d_model", 0),
            "--n-layers": ("model.n_layers", 0), "--n-heads": ("model.n_heads", 0),
            "--ape-shift": ("model.ape_shift", -1)}
     good = make_config(dict(task="copy", method="rope", out=str(tmp_path), device="cpu"), "cpu")

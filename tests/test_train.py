@@ -179,6 +179,17 @@ def test_schedule_and_curriculum():
     assert caps[0] == 5 and caps == sorted(caps) and caps[-1] == 40 and 10 in caps
 
 
+def test_curriculum_on_the_prism_papers_schedule():
+    """Section 6.4: length 5 for 5k steps, 10 for the next 5k, then 10 more every 10k steps, whatever
+    the run's length; and through TrainBatches, the batches of those steps keep to the cap."""
+    cap = lambda step: max(tasks.curriculum_lengths(step, 150_000, list(range(1, 41)), 5000))  # noqa: E731
+    assert [cap(s) for s in (0, 4999, 5000, 9999, 10_000, 19_999, 20_000, 30_000, 40_000, 149_999)] == \
+        [5, 5, 10, 10, 20, 20, 30, 40, 40, 40]
+    stream = tasks.TrainBatches(tasks.TASKS["copy"], list(range(1, 41)), 8, 0, 150_000, curriculum=True,
+                                curriculum_steps=5000)
+    assert int(stream[4999].length.max()) <= 5 < int(max(stream[s].length.max() for s in range(20_000, 20_010)))
+
+
 # ---- training: outputs, resume, NaN -----------------------------------------------------------
 
 def test_train_writes_metrics_and_model(tmp_path):

@@ -45,7 +45,7 @@ import experiments   # experiments.EXPERIMENTS read at call time (tests replace 
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
-from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, fmt_time, save_atomic,
+from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, device_of, fmt_time, save_atomic,
                    summary_line, train)
 
 
@@ -655,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
                    "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
+    g.add_argument("--plan", action="store_true", help="with --reproduce: print its runs, which are present and "
+                   "the time of the others, then stop")
     g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
@@ -780,8 +782,9 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    if args.shard or args.budget:
-        raise UsageError(f"{'--shard' if args.shard else '--budget'} applies with --reproduce NAME only")
+    if args.shard or args.budget or args.plan:
+        flag = "--shard" if args.shard else "--budget" if args.budget else "--plan"
+        raise UsageError(f"{flag} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -879,6 +882,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     todo = {id(cfg) for cfg in everything
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
     print_plan(everything, todo, mine, args.jobs, args.shard)
+    if args.plan:
+        return 0
     tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
@@ -932,7 +937,7 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, s
             seconds, how = time_of(cfg)
             if seconds is None:
                 unknown += 1
-                line += "  time unknown (no run of this task and method yet)"
+                line += "  time unknown (no run of this task and method on this kind of device yet)"
             else:
                 total += seconds
                 line += f"  {fmt_time(seconds)} ({how})"
@@ -946,17 +951,22 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, s
 
 
 def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
-    """(seconds, "measured" | "estimate") for one run, from the metrics of runs already present."""
+    """(seconds, "measured" | "estimate") for one run, from the metrics of runs already present on
+    the same kind of device (a GPU's time says nothing of a CPU's)."""
+    cpu = device_of(cfg.device) == "cpu"
+
+    def usable(path):
+        m = experiments.read_metrics(path, ("wall_s", "config", "device"))
+        ok = m and m["config"]["steps"] and m["config"].get("batch_size") and m["device"].startswith("cpu") == cpu
+        return m if ok else None
+
     def per_step(m):
         return m["wall_s"] / max(1, m["config"]["steps"])
-    same = sorted(cfg.run_dir().parent.glob("seed*/metrics.json"))
-    for path in same:
-        m = experiments.read_metrics(path, ("wall_s", "config"))
-        if m and m["config"]["steps"] and m["config"].get("batch_size") == cfg.batch_size:
+    for path in sorted(cfg.run_dir().parent.glob("seed*/metrics.json")):
+        if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size:
             return per_step(m) * cfg.steps, "measured: " + path.parent.name
     for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json")):
-        m = experiments.read_metrics(path, ("wall_s", "config"))
-        if m and m["config"]["steps"] and m["config"].get("batch_size"):
+        if m := usable(path):
             return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate"
     return None, ""
 

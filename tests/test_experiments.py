@@ -215,6 +215,20 @@ def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp
     assert code == 0 and "0 to train" in stdout and (out / "reproduce" / "tiny.md").exists()
 
 
+def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys, tmp_path, monkeypatch):
+    """--plan prints the run list and stops; a run present on a GPU gives no time for the CPU's runs."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, stdout, _ = run_cli(capsys, *args, "--shard", "0/2")
+    code, stdout, _ = run_cli(capsys, *args, "--plan")
+    assert code == 0 and "4 runs; 2 to train" in stdout and stdout.count("(measured: seed0)") == 2
+    assert present(out) == ["copy/nope/seed0", "copy/rope/seed0"] and "== tiny" not in stdout
+    for path in out.glob("copy/*/seed0/metrics.json"):            # as if they had run on a GPU
+        path.write_text(json.dumps({**json.loads(path.read_text()), "device": "NVIDIA H100 80GB HBM3"}))
+    code, stdout, _ = run_cli(capsys, *args, "--plan")
+    assert code == 0 and stdout.count("time unknown (no run of this task and method on this kind of device") == 2
+
+
 @pytest.mark.parametrize("shard", ["2/2", "1/0", "a/2", "-1/2", "1", "0/2/3"])
 def test_a_bad_shard_is_one_line_and_writes_nothing(capsys, tmp_path, monkeypatch, shard):
     out = tiny_seeded(tmp_path, monkeypatch)
@@ -228,6 +242,9 @@ def test_shard_without_reproduce_is_refused(capsys, tmp_path):
                            "--out", str(tmp_path / "runs"))
     assert code == 2 and "--shard applies with --reproduce NAME only" in err
     assert not (tmp_path / "runs").exists()
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--device", "cpu", "--plan",
+                           "--out", str(tmp_path / "runs"))
+    assert code == 2 and "--plan applies with --reproduce NAME only" in err
 
 
 def test_the_full_budget_trains_the_papers_setup_beside_the_quick_one(capsys, tmp_path, monkeypatch):

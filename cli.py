@@ -433,7 +433,7 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
             if flag["stop"] and not passed_on:   # Ctrl-C reaches every process of the group; `kill PID`
                 passed_on = True                 # only this one: the runs stop at their next step either way
                 stop.set()
-                for process in list(pool._processes.values()):
+                for process in list(pool._processes.values()):   # the pool's processes (no public accessor)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(process.pid, signal.SIGTERM)
             for future in done:
@@ -455,8 +455,8 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 MPS_WAIT = 10.0   # seconds: for the daemon to open its control pipe, and to quit before it is killed
-MPS_COST = ("the runs sharing a GPU take turns on it instead (measured: 8 runs at 1.32x one run's steps/s, "
-            "1.81x under MPS; docs/perf/training.md)")
+MPS_COST = ("the runs sharing a GPU take turns on it instead (measured on an H100: 8 ViPE runs at 1.12x one "
+            "run's steps/s, 1.62x under MPS; docs/perf/training.md)")
 
 
 @contextlib.contextmanager

@@ -282,7 +282,8 @@ def _vipe_experiment(task: str) -> Experiment:
                "ViPE-L2/L3 and NoPE-L3 at 16k steps: docs/results/vipe-budget",
         seeds=[0, 1, 2], select=("best_seed",), checks=_vipe_checks(task, VIPE_METHODS[:-1]),
         full=dict(runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n, **VIPE_PAPER, **VIPE_FINETUNE.get(m, {}))
-                        for n in (2, 3) for m in ("nope", "vipe")], seeds=VIPE_SEEDS, checks=_vipe_checks(task, ["nope"]),
+                        for n in (2, 3) for m in ("nope", "vipe")],
+                  seeds=VIPE_SEEDS, checks=_vipe_checks(task, ["nope"]),
                   scaled="the paper's setup (Adam at a constant lr 3e-4, batch 256, 256k steps over a fixed set of "
                          "32,768 sequences, 2,048 test sequences per length, its 8 seeds), d = 128; only NoPE (the "
                          "strongest baseline of the quick runs) and ViPE; AdamW's eps 1e-6 (PyTorch's 1e-8 spikes "
@@ -317,7 +318,8 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
 # curriculum on its schedule; evaluated every 1k steps on 1,000 examples, reported as the mean of the 3 best.
-# Its 150k steps do not fit 9 minutes: 40k (by then the length-40 tasks have reached their last stage).
+# Its 150k steps: 40k here (by then the length-40 tasks have reached their last stage), a guess at what fits
+# the 9 minutes a run may take, not measured at this size.
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
                    curriculum_steps=5000, eval_every=1000, n_eval=1000, steps=40_000)
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
@@ -326,7 +328,8 @@ PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shif
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
               "1,000 examples) with a width of 210 for its 192 (35 heads must divide it) and 40k of its 150k steps "
-              "(27 %); the gate head starting to count as in the quick runs (the paper gives no initialisation); "
+              "(27 %; a guess at what fits 9 minutes, not measured); the gate head starting to count as in the "
+              "quick runs (the paper gives no initialisation); "
               "{more}; not run yet")
 
 
@@ -360,8 +363,8 @@ UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4,
 # The PaTH paper (section 4.1) gives the models of its synthetic tasks but no optimiser, budget or seeds:
 # the full setups keep the quick runs' optimiser (the GPU preset), train longer and test on more examples.
 PATH_FULL = ("the paper's model (section 4.1), which is all the paper states for these tasks: no optimiser, "
-             "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch}, about what fits "
-             "9 minutes a run alone (from the quick runs' speeds, not measured at this setup); {eval}; not run yet")
+             "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch} (a few minutes a "
+             "run alone at the quick runs' speeds; not measured at this setup); {eval}; not run yet")
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -386,7 +389,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                  ("length 40 token acc", (40, 40), "token")],
         paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
         scaled="12k steps x 128 sequences of length 20, d=256, 4 heads, 3 seeds (seed 0 run first; earlier runs "
-               "drew the tokens from all 60 elements, --task-opt alphabet=elements: at 2k-5k steps no method learned it)",
+               "drew the tokens from all 60 elements, --task-opt alphabet=elements: at 2k-5k steps no method "
+               "learned it)",
         seeds=[0, 1, 2], sweep=("layers", 0),
         checks=[("a5/path-L2", 0.9, 0), (0.9, "a5/rope-L2", 0), (0.9, "a5/rope-L3", 0), ("a5/rope-L4", 0.9, 0)],
         full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)
@@ -471,7 +475,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
                                                 "in five); bins and blocks as in the quick runs")),
         seeds=[0, 1, 2],
-        checks=[(f"{t}/prism", HIGH, 1) for t in ("reverse", "odds_first", "stack", "dyn_str_cpy", "mul_cot", "scan_cot")]),
+        checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
               "RPE generalises to 49-digit sums, with high fluctuations (UPE paper Fig. 2)",

@@ -173,10 +173,10 @@ def curriculum_lengths(step: int, steps: int, lengths: list[int], stage_steps: i
     top = max(lengths)
     caps = [c for c in [5] + list(range(10, top, 10)) if c < top] + [top]
     if stage_steps:
-        stage = min(len(caps) - 1, step // stage_steps if step < 2 * stage_steps else 2 + (step - 2 * stage_steps)
-                    // (2 * stage_steps))
+        stage = step // stage_steps if step < 2 * stage_steps else 2 + (step - 2 * stage_steps) // (2 * stage_steps)
     else:
-        stage = min(len(caps) - 1, int(step / max(1, steps // 2) * len(caps)))
+        stage = int(step / max(1, steps // 2) * len(caps))
+    stage = min(len(caps) - 1, stage)
     allowed = [L for L in lengths if L <= caps[stage]]
     return allowed or [min(lengths)]
 

@@ -482,3 +482,18 @@ def test_every_experiment_has_three_seeds_at_both_budgets():
     for name, exp in experiments.EXPERIMENTS.items():
         assert len(exp.seeds) >= 3, name
         assert exp.full is None or len(exp.full["seeds"]) >= 3, name
+
+
+def test_readme_verdicts_are_those_of_the_committed_metrics():
+    """README's "the rule's verdict" column, row by row, against experiments.verdict on docs/results."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    rows = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `")
+            and line.rstrip().endswith(("/ not run |", "/ no full setup |"))]
+    assert len(rows) == len(experiments.EXPERIMENTS)
+    for line in rows:
+        name = line.split("`")[1]
+        word, _ = experiments.verdict(experiments.EXPERIMENTS[name], root / "docs" / "results")
+        head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
+        short = head if head in ("yes", "no", "partly") else "none, < 3 seeds"
+        assert f"| {short} ({held}/{total} checks) / " in line, (name, word)

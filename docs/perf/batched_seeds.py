@@ -176,8 +176,9 @@ def main(argv=None) -> int:
         for s in streams:
             s.close()
     G = len(cfgs)
-    result = {"task": args.task, "method": args.method, "seeds": G, "steps": args.steps, "device": train.device_name(device),
-              "batch_size": cfgs[0].batch_size, "batched_steps_per_s": rate, "seed_steps_per_s": G * rate}
+    result = {"task": args.task, "method": args.method, "seeds": G, "steps": args.steps,
+              "device": train.device_name(device), "batch_size": cfgs[0].batch_size,
+              "batched_steps_per_s": rate, "seed_steps_per_s": G * rate}
     print(f"{args.task} {args.method}, {G} seeds as one model on {result['device']}: {rate:.1f} steps/s, "
           f"{G * rate:.1f} seed-steps/s")
     if args.alone:

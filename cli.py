@@ -441,9 +441,11 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force
                 try:
                     print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
                 except RunStopped as e:
-                    stopped += [folder] if str(e) != NOT_STARTED else []
-                    print(f"  [{fmt_time(time.time() - t0)}] {folder}: " +
-                          ("not started" if str(e) == NOT_STARTED else "stopped, checkpoint written"), flush=True)
+                    started = str(e) != NOT_STARTED
+                    if started:
+                        stopped.append(folder)
+                    print(f"  [{fmt_time(time.time() - t0)}] {folder}: "
+                          + ("stopped, checkpoint written" if started else "not started"), flush=True)
                 except Exception as e:
                     failure(folder, e)           # its traceback is in its train.log
     if flag["stop"]:

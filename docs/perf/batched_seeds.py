@@ -35,7 +35,7 @@ import prism               # noqa: E402
 import train               # noqa: E402
 import upe                 # noqa: E402
 import vipe                # noqa: E402
-from tasks import IGNORE, TASKS, TrainBatches, collate  # noqa: E402
+from tasks import IGNORE, TASKS, collate  # noqa: E402
 
 
 class BatchedStep(train.Step):
@@ -102,10 +102,9 @@ def seed_model(cfg: train.TrainConfig):
 
 
 def stream(cfg: train.TrainConfig):
+    """The seed's training batches, as train.train draws them."""
     task = TASKS[cfg.task]
-    lengths = cfg.train_lengths or task.train_lengths
-    return TrainBatches(task, lengths, cfg.batch_size, cfg.seed, cfg.steps, cfg.curriculum, cfg.train_set,
-                        cfg.curriculum_steps, **cfg.task_opts).loader(0, cfg.steps, cfg.workers)
+    return train.batches(cfg, task, cfg.train_lengths or task.train_lengths, 0, cfg.steps)
 
 
 def timed(step, batches, cfg, opt, warm: int) -> tuple[list, float]:

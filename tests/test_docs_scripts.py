@@ -95,3 +95,11 @@ def test_batched_seeds_train_each_seed_as_if_alone(tmp_path, method):
     result = json.loads(out.read_text())
     assert result["seeds"] == 3 and result["batched_steps_per_s"] > 0
     assert result["largest_relative_loss_difference"] < 1e-5
+
+
+def test_prism_copy_speed_trains_every_copy_task(tmp_path):
+    out = tmp_path / "speed.json"
+    script("prism_copy_speed.py", "--device", "cpu", "--steps", 0, "--torch-steps", 2, "--tiny", "--out", out)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["task"] for r in rows] == ["reverse", "dyn_str_cpy", "scan_cot"]
+    assert all(r["backend"] == "torch" and r["steps"] == 2 and r["steps_per_s"] > 0 for r in rows)

@@ -12,8 +12,9 @@ tensors, with the learning rate of train.lr_at. The layers take their PyTorch pa
 enter the Triton kernels' autograd functions). Causal tasks without UPE's slots only.
 
 Prints steps/s of the batched step and seed-steps/s (x seeds); --alone also trains seed 0 alone with
-train.Step for the same steps; --check trains every seed alone and compares its losses step by step
-with the batched ones (they agree to float rounding, or the batching is wrong). Run it from the
+train.Step for the same steps, on the paths train.py takes (Triton kernels on CUDA); --check trains
+every seed alone on the PyTorch paths and compares its losses step by step with the batched ones
+(they agree to float rounding, or the batching is wrong). Run it from the
 repository root. Settings: the GPU preset of the task on CUDA, the CPU preset otherwise, and the flags.
 """
 from __future__ import annotations
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
     task = TASKS[args.task]
     if not task.causal:
         raise SystemExit(f"{args.task} is bidirectional: this script takes causal tasks only")
-    for module in (path_attention, prism, upe, vipe):
+    backends = {module: module.BACKEND for module in (path_attention, prism, upe, vipe)}
+    for module in backends:
         module.BACKEND = "torch"                      # vmap cannot enter the Triton kernels
     cfgs = configs(args)
     device = train.device_of(cfgs[0].device)
@@ -181,7 +183,11 @@ def main(argv=None) -> int:
     print(f"{args.task} {args.method}, {G} seeds as one model on {result['device']}: {rate:.1f} steps/s, "
           f"{G * rate:.1f} seed-steps/s")
     if args.alone:
+        for module, backend in backends.items():      # alone: the paths train.py takes
+            module.BACKEND = backend
         _, one = alone(cfgs[0], warm)
+        for module in backends:
+            module.BACKEND = "torch"
         result["alone_steps_per_s"] = one
         print(f"seed 0 alone: {one:.1f} steps/s; the batched model: {G * rate / one:.2f}x its seed-steps/s")
     if args.check:

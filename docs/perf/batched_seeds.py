@@ -45,7 +45,8 @@ class BatchedStep(train.Step):
 
     def __init__(self, base, params: dict, buffers: dict, opt, cfg, task, device: str):
         super().__init__(None, None, opt, cfg, task, device)
-        self.base, self.params, self.buffers = base, params, buffers
+        self.base, self.params, self.module_buffers = base, params, buffers   # (Step's own `buffers`: inputs)
+        self.pad = True                  # padded widths everywhere, so that the CPU check covers CUDA's path
         self.G = next(iter(params.values())).shape[0]
 
     def loss(self, p, b, x, y, ctx):
@@ -57,7 +58,7 @@ class BatchedStep(train.Step):
         x, y = x.view(self.G, -1, x.shape[-1]), y.view(self.G, -1, y.shape[-1])       # (G, B, T)
         with train.autocast(self.device, self.cfg.precision):
             losses = vmap(self.loss, in_dims=(0, 0, 0, 0, None), randomness="different")(
-                self.params, self.buffers, x, y, ctx)                                    # (G,)
+                self.params, self.module_buffers, x, y, ctx)                                    # (G,)
         losses.sum().backward()          # the seeds share no parameter: each gets its own gradient
         grads = [p.grad for p in self.params.values()]
         norms = torch.stack([g.flatten(1).float().pow(2).sum(1) for g in grads]).sum(0).sqrt()   # (G,)

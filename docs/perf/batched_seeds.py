@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, ".")
 import cli                 # noqa: E402
@@ -56,7 +57,10 @@ class BatchedStep(train.Step):
 
     def body(self, x, y, ctx):
         x, y = x.view(self.G, -1, x.shape[-1]), y.view(self.G, -1, y.shape[-1])       # (G, B, T)
-        with train.autocast(self.device, self.cfg.precision):
+        # SDPA without its memory-efficient backend, whose backward rejects the strides that vmap gives
+        # ViPE's inputs ("LSE is not correctly aligned"): flash attention where it applies, else the math path
+        with train.autocast(self.device, self.cfg.precision), sdpa_kernel([SDPBackend.FLASH_ATTENTION,
+                                                                           SDPBackend.MATH]):
             losses = vmap(self.loss, in_dims=(0, 0, 0, 0, None), randomness="different")(
                 self.params, self.module_buffers, x, y, ctx)                                    # (G,)
         losses.sum().backward()          # the seeds share no parameter: each gets its own gradient

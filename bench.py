@@ -5,6 +5,7 @@
     python bench.py --op path --lengths 4096 --heads 16 --head-dim 128 --gate   # PaTH-FoX, D = 128
     python bench.py --op train      # train.py's steps/s on the headline presets
     python bench.py --op jobs       # steps/s of 1, 4 and 8 runs at once (train.py --jobs)
+    python bench.py --op jobs --runs a5:path --counts 1,8,16
 
 For each sequence length T: milliseconds (triton.testing.do_bench, median; a single call for a
 case slower than 5 s, like PRISM's naive loop) of the forward and of forward + backward, the
@@ -418,8 +419,21 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=None, help="H (default: per op)")
     parser.add_argument("--head-dim", type=int, default=None, help="D (default: per op)")
     parser.add_argument("--gate", action="store_true", help="--op path: PaTH-FoX (with the forget gate)")
+    parser.add_argument("--runs", default=None, help="--op jobs: comma-separated task:method presets "
+                        "(default: " + ",".join(f"{t}:{m}" for t, m in JOBS_RUNS) + ")")
+    parser.add_argument("--counts", default=None, help="--op jobs: comma-separated numbers of runs at once "
+                        f"(default: {','.join(map(str, JOBS_COUNTS))}; the largest also without MPS)")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args(argv)
+    try:
+        runs = [tuple(r.split(":")) for r in args.runs.split(",")] if args.runs else JOBS_RUNS
+        counts = tuple(int(n) for n in args.counts.split(",")) if args.counts else JOBS_COUNTS
+    except ValueError:
+        print(f"--counts takes whole numbers, got {args.counts!r}", file=sys.stderr)
+        return 2
+    if any(len(r) != 2 for r in runs) or 1 not in counts:
+        print("--runs takes task:method pairs, and --counts must include 1 (the baseline)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench.py measures GPU kernels; no CUDA device found", file=sys.stderr)
         return 2
@@ -427,7 +441,7 @@ def main(argv=None) -> int:
         run_train(args.steps or 300, Path(args.out))
         return 0
     if args.op == "jobs":
-        run_jobs(args.steps or 3000, Path(args.out))
+        run_jobs(args.steps or 3000, Path(args.out), runs, counts)
         return 0
     names = list(OPS) if args.op == "all" else [args.op]
     for name in names:

@@ -73,3 +73,10 @@ def test_jobs_throughput_table(tmp_path):
     table = (tmp_path / "jobs.md").read_text()
     assert "| copy rope | 1 | - |" in table and "| 1.00x | 1.00 |" in table
     assert table.count("| copy rope | 2 | no |") == 2
+
+
+@pytest.mark.parametrize("args", [["--counts", "4,x"], ["--counts", "4,8"], ["--runs", "a5"]])
+def test_jobs_options_are_checked_before_anything_runs(args, capsys):
+    """--runs takes task:method pairs; --counts whole numbers that include the one-run baseline."""
+    assert bench.main(["--op", "jobs", *args]) == 2
+    assert "--" in capsys.readouterr().err

@@ -546,7 +546,7 @@ def seed_values(out: Path, run: str, selector, metric: str) -> dict[int, float]:
 
 
 def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
-    """The rule of SPEC section 6 for an experiment's claim (exp.checks): a comparison of two runs holds
+    """The verdict rule for an experiment's claim (exp.checks): a comparison of two runs holds
     when it holds in the mean over seeds and in at least two thirds of the seeds both ran (2 of 3); a
     threshold holds in the mean. "yes" when every check holds, "no" when none does, else "partly";
     no verdict with fewer than MIN_SEEDS seeds or a run missing. Returns it and one line per check."""

@@ -64,10 +64,17 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 # for fp16/bf16 inputs on Triton 3.6. 8 warps at D = 128 hit an illegal memory access (Triton 3.6).
 # LAUNCH holds what differs from DEFAULT per head dim.
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
-               dkv=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3))
+               dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
+               chunk=dict(num_warps=4, num_stages=3))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1))}
+
+
+# Head dims whose backward scores the later chunks' query blocks in a kernel of its own (`_bwd_dkl`,
+# tiles of 2 key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: meant for D = 128,
+# where `_bwd_dkv` spills; not yet measured on a GPU, so empty (the tests run both ways).
+SPLIT_DKL: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -264,9 +271,40 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
 
 
 @triton.jit
-def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, T, n_blocks,
-             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
-             R: tl.constexpr, HAS_G: tl.constexpr, FOLD_KL: tl.constexpr, PREC: tl.constexpr,
+def _bwd_dkl(QL, KL, V, G, DO, LSE, DELTA, DKLP, DVP, DGP, T, n_blocks, n_inter, qk_scale, scale,
+             D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KT: tl.constexpr,
+             HAS_G: tl.constexpr, PREC16: tl.constexpr):
+    """The later chunks' part of `_bwd_dkv` for KT key blocks of one chunk at once (KT divides R): their
+    keys kL meet the query states stored per (query block, chunk), which every key block of the chunk
+    shares, so one state tile serves KT * BL keys. Writes dkL and these pairs' shares of dV and of the
+    key side of dG, float32, for `_bwd_dkv` to add; zeros for the keys of the last chunk (no later query)."""
+    t, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    KB: tl.constexpr = KT * BL
+    rk, rc, rd, rv = tl.arange(0, KB), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV)
+    b = t * KT // R
+    inside = t * KB + rk < T                          # the last tile may pass the last block
+    col = bh * T + t * KB + rk
+    kl = tl.load(KL + col[:, None] * D + rd[None, :], mask=inside[:, None], other=0.0)     # (KB, D)
+    v = tl.load(V + col[:, None] * DV + rv[None, :], mask=inside[:, None], other=0.0)      # (KB, DV)
+    gk = tl.load(G + col, mask=inside, other=0.0) * LOG2E if HAS_G else tl.zeros([KB], tl.float32)
+    dkl = tl.zeros([KB, D], dtype=tl.float32)
+    dv = tl.zeros([KB, DV], dtype=tl.float32)
+    dg = tl.zeros([KB], dtype=tl.float32)
+    for i in range(b * R + R, n_blocks):
+        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + rc[:, None] * D + rd[None, :])
+        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
+                                HAS_G, DV, PREC16)
+        dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
+    tl.store(DKLP + col[:, None] * D + rd[None, :], dkl, mask=inside[:, None])
+    tl.store(DVP + col[:, None] * DV + rv[None, :], dv, mask=inside[:, None])
+    if HAS_G:
+        tl.store(DGP + col, dg, mask=inside)
+
+
+@triton.jit
+def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, DKLP, DVP, DGP,
+             T, n_blocks, n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
+             R: tl.constexpr, HAS_G: tl.constexpr, FOLD_KL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
              PREC16: tl.constexpr):
     """Without FOLD_KL it writes dK^ and dkL (float32, BL x D per block); with FOLD_KL (the Triton chunk
     backward follows) it takes dkL through kL = kh S^T itself, with this block's suffix product S
@@ -310,13 +348,19 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
     tl.store(DPL + dd, dpl)
     # the query blocks of later chunks: keys kL, one state per (query block, chunk)
-    kl = tl.load(KL + col[:, None] * D + rd[None, :])
-    dkl = tl.zeros([BL, D], dtype=tl.float32)
-    for i in range(b * R + R, n_blocks):
-        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + tile)
-        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
-                                HAS_G, DV, PREC16)
-        dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
+    if SPLIT:                                       # scored by _bwd_dkl, which ran first
+        dkl = tl.load(DKLP + col[:, None] * D + rd[None, :])
+        dv += tl.load(DVP + col[:, None] * DV + rv[None, :])
+        if HAS_G:
+            dg += tl.load(DGP + col)
+    else:
+        kl = tl.load(KL + col[:, None] * D + rd[None, :])
+        dkl = tl.zeros([BL, D], dtype=tl.float32)
+        for i in range(b * R + R, n_blocks):
+            qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + tile)
+            dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
+                                    HAS_G, DV, PREC16)
+            dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
     if FOLD_KL:
         dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
@@ -685,9 +729,19 @@ class PathScan(torch.autograd.Function):
                          KB=key_tile(BL, R, D),
                          **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
+        split = D in SPLIT_DKL
+        if split:                                               # the later chunks' pairs first
+            kt = 2 if R % 2 == 0 else 1
+            dklp, dvp = torch.empty(BH, T, D, **f32), torch.empty(BH, T, DV, **f32)
+            dgp = torch.empty(BH, T, **f32) if has_g else lse
+            _bwd_dkl[(triton.cdiv(n, kt), BH)](ql, kl, v, G if has_g else lse, do, lse, delta, dklp, dvp, dgp, T, n,
+                                               n_inter, scale * LOG2E.value, scale, D=D, DV=DV, BL=BL, R=R, KT=kt,
+                                               HAS_G=has_g, PREC16=prec16, **launch("dkl", D))
+        else:
+            dklp = dvp = dgp = lse                              # not read
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,
-                          delta, dkh, dkl, dv, dmb, dpl, dgk, T, n, n_intra, n_inter, scale * LOG2E.value, scale,
-                          FOLD_KL=fold_kl, **meta, **launch("dkv", D))
+                          delta, dkh, dkl, dv, dmb, dpl, dgk, dklp, dvp, dgp, T, n, n_intra, n_inter,
+                          scale * LOG2E.value, scale, FOLD_KL=fold_kl, SPLIT=split, **meta, **launch("dkv", D))
         if fold_kl:                                             # Triton: the chunk backward sums it all
             dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R)
         else:                                                # PyTorch: autograd through chunk_products

@@ -478,7 +478,7 @@ def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
 
 
 def test_every_experiment_has_three_seeds_at_both_budgets():
-    """SPEC section 6: at least 3 seeds per configuration, quick and full."""
+    """At least 3 seeds per configuration, quick and full."""
     for name, exp in experiments.EXPERIMENTS.items():
         assert len(exp.seeds) >= 3, name
         assert exp.full is None or len(exp.full["seeds"]) >= 3, name

@@ -1,4 +1,4 @@
-"""The layout of SPEC section 2: imports flow one way (kernels at the ground, no circle), and
+"""The layout: imports flow one way (kernels at the ground, no circle), and
 `python train.py` runs train.py's body once."""
 import ast
 import subprocess
@@ -12,7 +12,7 @@ MODULES = {p.stem: p for p in ROOT.glob("*.py")} | {f"{d}.{p.stem}": p for d in 
 
 def imports(path: Path) -> set[str]:
     """The project modules a file imports, at its top or in a function; not in its `__main__` block
-    (the hand-over of train.py to cli.py, which SPEC allows)."""
+    (the hand-over of train.py to cli.py, the one import allowed upward)."""
     tree = ast.parse(path.read_text())
     found = set()
 

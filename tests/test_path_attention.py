@@ -146,6 +146,21 @@ def test_triton_matches_naive_fp32(T, D, block, chunk, gate):
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 1e-4)
 
 
+@pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(*c, torch.float32, 1e-4) for c in INTERP if c[3] < 8]
+                         + [(40, 128, 16, 2, torch.float16, 2e-2)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_with_the_later_chunks_in_their_own_kernel(T, D, block, chunk, dtype, tol, gate, monkeypatch):
+    """kernels.path_attention.SPLIT_DKL: `_bwd_dkl` scores the later chunks' query blocks for tiles of
+    two key blocks (chunks of 2 and 4; one block for chunks of 1 and 3), with a last tile that passes
+    the last block (T = 97 at BL = 16: 7 blocks), and `_bwd_dkv` adds what it wrote (and, in 16 bits,
+    folds it through the Triton chunk products)."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "SPLIT_DKL", {D})
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=DEV, seed=T + D)
+    do = torch.randn(1, 2, T, D, device=DEV)
+    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), tol)
+
+
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
 @pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):

@@ -3,9 +3,10 @@ settings are fastest at a given head dim.
 
     python docs/perf/path_profile.py --D 128 --H 16                   # today's settings
     python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
+    python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x1,4x3,8x3   # _bwd_dkl or not
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
-the block length BL, the fused UT kernels' warps) it prints the median fwd+bwd time
+the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not) it prints the median fwd+bwd time
 (triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
 registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position
 encoding) at the same shape is timed in the same process. Run it from the repository root; the
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kernels.path_attention as kp  # noqa: E402
 import path_attention as pa  # noqa: E402
 
-TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
+TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkl", "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
 
 
 def inputs(B, H, T, D, dtype, gate, device="cuda"):
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--dkv", default="", help="warps x stages of _bwd_dkv alone to try")
     p.add_argument("--chunk", default="", help="warps x stages of the chunk-product kernels to try")
     p.add_argument("--chunks", default="", help="blocks per chunk R to try (default: CHUNK)")
+    p.add_argument("--split", default="", help="0,1: the later chunks' pairs inside _bwd_dkv (0) or in _bwd_dkl "
+                   "(1, kernels.path_attention.SPLIT_DKL) (default: as SPLIT_DKL says for D)")
+    p.add_argument("--dkl", default="", help="warps x stages of _bwd_dkl to try (with --split 1)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -124,19 +128,23 @@ def main(argv=None) -> int:
     dkv = [None] if not a.dkv else [tuple(int(x) for x in s.split("x")) for s in a.dkv.split(",")]
     chunk = [None] if not a.chunk else [tuple(int(x) for x in s.split("x")) for s in a.chunk.split(",")]
     chunks = [kp.CHUNK] if not a.chunks else [int(x) for x in a.chunks.split(",")]
-    default_launch = kp.launch
-    grid = [(BL, R, uw, ws, ks, cs) for BL in blocks for R in chunks for uw in ut_warps for ws in attn for ks in dkv
-            for cs in chunk]
-    for BL, R, uw, ws, ks, cs in grid:
-        def patched(name, D, ws=ws, ks=ks, cs=cs):
+    splits = [a.D in kp.SPLIT_DKL] if not a.split else [bool(int(x)) for x in a.split.split(",")]
+    dkl = [None] if not a.dkl else [tuple(int(x) for x in s.split("x")) for s in a.dkl.split(",")]
+    default_launch, default_split = kp.launch, set(kp.SPLIT_DKL)
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
+            for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])]
+    for BL, R, uw, ws, ks, cs, sp, ls in grid:
+        def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
-                   else cs if name == "chunk" else None)
+                   else cs if name == "chunk" else ls if name == "dkl" else None)
             over = {} if new is None else dict(num_warps=new[0], num_stages=new[1])
             return default_launch(name, D) | over
         kp.launch, kp.UT_WARPS = patched, uw
+        kp.SPLIT_DKL = default_split | {a.D} if sp else default_split - {a.D}
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
-                 f" chunk={'default' if cs is None else '%dx%d' % cs}")
+                 f" chunk={'default' if cs is None else '%dx%d' % cs}"
+                 f" split={int(sp)}" + (f" dkl={'default' if ls is None else '%dx%d' % ls}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:
             step = step_fn(fn, args)
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
             with open(a.out, "a") as f:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
-    kp.launch, kp.UT_WARPS = default_launch, ut_warps[0]
+    kp.launch, kp.UT_WARPS, kp.SPLIT_DKL = default_launch, ut_warps[0], default_split
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

@@ -273,6 +273,21 @@ def _dkv_pair(qs, k, v, DO, LSE, DELTA, G, gk, row, rv, qk_scale, dv, dg, HAS_G:
 
 
 @triton.jit
+def _later_chunks(QL, kl, v, DO, LSE, DELTA, G, gk, b, bh, T, n_blocks, n_inter, qk_scale, scale, dkl, dv, dg,
+                  D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, HAS_G: tl.constexpr,
+                  PREC16: tl.constexpr):
+    """The keys kL of chunk b (any number of rows) against the query blocks of the later chunks, one
+    stored state per (query block, chunk): adds to dkL, dV and the key side of dG."""
+    rc, rd, rv = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV)
+    for i in range(b * R + R, n_blocks):
+        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + rc[:, None] * D + rd[None, :])
+        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
+                                HAS_G, DV, PREC16)
+        dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
+    return dkl, dv, dg
+
+
+@triton.jit
 def _bwd_dkl(QL, KL, V, G, DO, LSE, DELTA, DKLP, DVP, DGP, T, n_blocks, n_inter, qk_scale, scale,
              D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KT: tl.constexpr,
              HAS_G: tl.constexpr, PREC16: tl.constexpr):
@@ -282,21 +297,16 @@ def _bwd_dkl(QL, KL, V, G, DO, LSE, DELTA, DKLP, DVP, DGP, T, n_blocks, n_inter,
     key side of dG, float32, for `_bwd_dkv` to add; zeros for the keys of the last chunk (no later query)."""
     t, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     KB: tl.constexpr = KT * BL
-    rk, rc, rd, rv = tl.arange(0, KB), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV)
+    rk, rd, rv = tl.arange(0, KB), tl.arange(0, D), tl.arange(0, DV)
     b = t * KT // R
     inside = t * KB + rk < T                          # the last tile may pass the last block
     col = bh * T + t * KB + rk
     kl = tl.load(KL + col[:, None] * D + rd[None, :], mask=inside[:, None], other=0.0)     # (KB, D)
     v = tl.load(V + col[:, None] * DV + rv[None, :], mask=inside[:, None], other=0.0)      # (KB, DV)
     gk = tl.load(G + col, mask=inside, other=0.0) * LOG2E if HAS_G else tl.zeros([KB], tl.float32)
-    dkl = tl.zeros([KB, D], dtype=tl.float32)
-    dv = tl.zeros([KB, DV], dtype=tl.float32)
-    dg = tl.zeros([KB], dtype=tl.float32)
-    for i in range(b * R + R, n_blocks):
-        qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + rc[:, None] * D + rd[None, :])
-        dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
-                                HAS_G, DV, PREC16)
-        dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
+    dkl, dv, dg = _later_chunks(QL, kl, v, DO, LSE, DELTA, G, gk, b, bh, T, n_blocks, n_inter, qk_scale, scale,
+                                tl.zeros([KB, D], dtype=tl.float32), tl.zeros([KB, DV], dtype=tl.float32),
+                                tl.zeros([KB], dtype=tl.float32), D, DV, BL, R, HAS_G, PREC16)
     tl.store(DKLP + col[:, None] * D + rd[None, :], dkl, mask=inside[:, None])
     tl.store(DVP + col[:, None] * DV + rv[None, :], dv, mask=inside[:, None])
     if HAS_G:
@@ -356,13 +366,9 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         if HAS_G:
             dg += tl.load(DGP + col)
     else:
-        kl = tl.load(KL + col[:, None] * D + rd[None, :])
-        dkl = tl.zeros([BL, D], dtype=tl.float32)
-        for i in range(b * R + R, n_blocks):
-            qs = tl.load(QL + (bh * n_inter + _inter(i, R) + b) * BL * D + tile)
-            dst, dv, dg = _dkv_pair(qs, kl, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
-                                    HAS_G, DV, PREC16)
-            dkl += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
+        dkl, dv, dg = _later_chunks(QL, tl.load(KL + col[:, None] * D + rd[None, :]), v, DO, LSE, DELTA, G, gk, b,
+                                    bh, T, n_blocks, n_inter, qk_scale, scale, tl.zeros([BL, D], dtype=tl.float32),
+                                    dv, dg, D, DV, BL, R, HAS_G, PREC16)
     if FOLD_KL:
         dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)

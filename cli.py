@@ -45,8 +45,12 @@ import experiments   # experiments.EXPERIMENTS read at call time (tests replace 
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
-from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, UsageError, device_of, fmt_time, save_atomic,
+from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, save_atomic,
                    summary_line, train)
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line by the command line, which then exits with status 2."""
 
 
 # =============================================================================================

@@ -64,10 +64,6 @@ def build_model(cfg: ModelConfig) -> Model:
     return Model(cfg, METHODS[cfg.method])
 
 
-class UsageError(Exception):
-    """Bad input: printed as one line by the CLI, which then exits with status 2."""
-
-
 # =============================================================================================
 # Evaluation
 # =============================================================================================

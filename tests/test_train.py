@@ -491,7 +491,7 @@ def test_a_run_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         lock.write_text(str(other.pid))                     # a live process holds it
-        with pytest.raises(train.UsageError, match=f"is in use by process {other.pid}"):
+        with pytest.raises(cli.UsageError, match=f"is in use by process {other.pid}"):
             cli.run(cfg, log=lambda *_: None)
     finally:
         other.kill()

@@ -103,3 +103,12 @@ def test_prism_copy_speed_trains_every_copy_task(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["task"] for r in rows] == ["reverse", "dyn_str_cpy", "scan_cot"]
     assert all(r["backend"] == "torch" and r["steps"] == 2 and r["steps_per_s"] > 0 for r in rows)
+
+
+def test_prism_step_profile_times_and_profiles_a_step(tmp_path):
+    out = tmp_path / "profile.json"
+    text = script("prism_step_profile.py", "--task", "reverse", "--device", "cpu", "--tiny", "--steps", 2,
+                  "--top", 5, "--out", out)
+    got = json.loads(out.read_text())
+    assert got["steps_per_s"] > 0 and 0 < got["eager_busy_ms"] and len(got["top"]) == 5
+    assert got["top"][0][1] >= got["top"][-1][1] and "aten::" in text

@@ -74,9 +74,10 @@ LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
 
 
 # Head dims whose backward scores the later chunks' query blocks in a kernel of its own (`_bwd_dkl`,
-# tiles of 2 key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: meant for D = 128,
+# tiles of DKL_TILE key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: meant for D = 128,
 # where `_bwd_dkv` spills; not yet measured on a GPU, so empty (the tests run both ways).
 SPLIT_DKL: set[int] = set()
+DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 
 def launch(name: str, D: int) -> dict:
@@ -739,7 +740,7 @@ class PathScan(torch.autograd.Function):
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         split = D in SPLIT_DKL
         if split:                                               # the later chunks' pairs first
-            kt = 2 if R % 2 == 0 else 1
+            kt = DKL_TILE if R % DKL_TILE == 0 else 1
             dklp, dvp = torch.empty(BH, T, D, **f32), torch.empty(BH, T, DV, **f32)
             dgp = torch.empty(BH, T, **f32) if has_g else lse
             _bwd_dkl[(triton.cdiv(n, kt), BH)](ql, kl, v, G if has_g else lse, do, lse, delta, dklp, dvp, dgp, T, n,

@@ -3,7 +3,7 @@ settings are fastest at a given head dim.
 
     python docs/perf/path_profile.py --D 128 --H 16                   # today's settings
     python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
-    python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x1,4x3,8x3   # _bwd_dkl or not
+    python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x3,8x3 --dkl-tile 1,2   # _bwd_dkl
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
 the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not) it prints the median fwd+bwd time
@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="", help="0,1: the later chunks' pairs inside _bwd_dkv (0) or in _bwd_dkl "
                    "(1, kernels.path_attention.SPLIT_DKL) (default: as SPLIT_DKL says for D)")
     p.add_argument("--dkl", default="", help="warps x stages of _bwd_dkl to try (with --split 1)")
+    p.add_argument("--dkl-tile", default="", help="key blocks per _bwd_dkl program to try (default: DKL_TILE)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -130,21 +131,24 @@ def main(argv=None) -> int:
     chunks = [kp.CHUNK] if not a.chunks else [int(x) for x in a.chunks.split(",")]
     splits = [a.D in kp.SPLIT_DKL] if not a.split else [bool(int(x)) for x in a.split.split(",")]
     dkl = [None] if not a.dkl else [tuple(int(x) for x in s.split("x")) for s in a.dkl.split(",")]
-    default_launch, default_split = kp.launch, set(kp.SPLIT_DKL)
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
-            for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])]
-    for BL, R, uw, ws, ks, cs, sp, ls in grid:
+    tiles = [kp.DKL_TILE] if not a.dkl_tile else [int(x) for x in a.dkl_tile.split(",")]
+    default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
+            for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
+            for kt in (tiles if sp else [default_tile])]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
             over = {} if new is None else dict(num_warps=new[0], num_stages=new[1])
             return default_launch(name, D) | over
         kp.launch, kp.UT_WARPS = patched, uw
-        kp.SPLIT_DKL = default_split | {a.D} if sp else default_split - {a.D}
+        kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
-                 f" split={int(sp)}" + (f" dkl={'default' if ls is None else '%dx%d' % ls}" if sp else ""))
+                 f" split={int(sp)}"
+                 + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:
             step = step_fn(fn, args)
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
             with open(a.out, "a") as f:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
-    kp.launch, kp.UT_WARPS, kp.SPLIT_DKL = default_launch, ut_warps[0], default_split
+    kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

@@ -261,9 +261,7 @@ def plot(name, rows, gpu, path):
 TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("polynomial", "vipe"),
               ("add_padded", "rpe"), ("add_cot", "rope"), ("add_cot", "prism"), ("copy", "prism"),
               ("reverse", "prism")]
-# What differs from the GPU preset: reverse as prism-more trains it, with PRISM's copy branch.
-TRAIN_SETTINGS = {("reverse", "prism"): dict(n_layers=5, curriculum=True, train_lengths=list(range(1, 41)),
-                                             opts={"prism_bins": 512, "prism_copy": True, "prism_count_bias": 1.0})}
+TRAIN_AS = {("reverse", "prism"): "prism-more"}   # trained as this experiment does (PRISM's copy branch)
 TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),   # the loop before workers/graphs
                "data workers": dict(workers=None, graphs=False),               # None: cli.default_workers(1)
                "data workers + CUDA graphs": dict(workers=None, graphs=True)}
@@ -296,13 +294,18 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     device = device or DEVICE
     rows = []
     for task, method in runs:
+        settings = {}
+        if (task, method) in TRAIN_AS:                    # the experiment's settings but its steps and n_eval
+            import experiments
+            settings = {k: v for k, v in experiments.run_of(TRAIN_AS[task, method], task).items()
+                        if k not in ("task", "method", "steps", "n_eval")}
         for mode, how in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
                 how = {**how, "workers": cli.default_workers(1) if how["workers"] is None else how["workers"]}
                 cfg = cli.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
                                            n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
                                            ckpt_every=10 ** 9, log_every=1e9,
-                                           **TRAIN_SETTINGS.get((task, method), {}), **how), "gpu")
+                                           **settings, **how), "gpu")
                 m = train.train(cfg, log=lambda *_: None)
             rows.append(dict(run=f"{task} {method}", batch=cfg.batch_size, mode=mode, workers=cfg.workers,
                              steps_per_s=m["steps_per_s"], data_wait=m["data_wait"]))

@@ -977,6 +977,5 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     return None, ""
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

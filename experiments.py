@@ -230,6 +230,11 @@ class Experiment:
 BUDGETS = ("quick", "full")
 
 
+def run_of(name: str, task: str) -> dict:
+    """The settings of experiment `name`'s (first) run on `task`, as its `runs` list gives them."""
+    return next(run for run in EXPERIMENTS[name].runs if run["task"] == task)
+
+
 def at_budget(exp: Experiment, budget: str) -> Experiment:
     """The experiment as run at a budget: quick as it stands, full with the paper's setup, its runs
     tagged "full" so that they never share a folder with the quick ones."""
@@ -464,9 +469,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         runs=_PRISM_MORE,
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
-        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, seed 0 "
-               "run first; reverse "
-               "evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
+        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, "
+               "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
@@ -508,9 +512,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                  ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
         paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
                "ape-m3": ["", "fails", "fails", "fails", "fails"]},
-        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 3 seeds (seed 0 run first); 6 "
-               "layers for the 1-digit "
-               "multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
+        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 3 seeds (seed 0 run first); "
+               "6 layers for the 1-digit multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
                "steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
                "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget",
         seeds=[0, 1, 2],

@@ -30,7 +30,7 @@ from tasks import TASKS  # noqa: E402
 
 
 def config(name: str, device: str, tiny: bool) -> train.TrainConfig:
-    run = next(r for r in experiments.EXPERIMENTS["prism-more"].runs if r["task"] == name)
+    run = experiments.run_of("prism-more", name)
     values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda")}
     if tiny:
         values.update(d_model=32, n_layers=2, n_heads=2, batch_size=4,

@@ -252,9 +252,13 @@ def test_triton_gpu_default_blocks(T, D, dtype, tol, gate):
 @gpu
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
-def test_triton_gpu_chunk_level(D, dtype, tol):
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
     """T = 1100 with the default blocks: full chunks and a partial one, so the chunk level runs
-    (2 chunks of 512 tokens at D <= 64, 4 of 256 at D = 128)."""
+    (2 chunks of 512 tokens at D <= 64, 4 of 256 at D = 128); with `split`, the later chunks'
+    query blocks are scored in `_bwd_dkl` (SPLIT_DKL)."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "SPLIT_DKL", {D} if split else set())
     xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D)
     do = torch.randn(1, 2, 1100, D, device="cuda")
     check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)

@@ -70,13 +70,13 @@ DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, n
                chunk=dict(num_warps=4, num_stages=3))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
-                    chunk=dict(num_warps=8, num_stages=1))}
+                    chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8))}
 
 
 # Head dims whose backward scores the later chunks' query blocks in a kernel of its own (`_bwd_dkl`,
-# tiles of DKL_TILE key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: meant for D = 128,
-# where `_bwd_dkv` spills; not yet measured on a GPU, so empty (the tests run both ways).
-SPLIT_DKL: set[int] = set()
+# tiles of DKL_TILE key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: D = 128,
+# where `_bwd_dkv` spills and the split was measured faster; the tests run both ways.
+SPLIT_DKL: set[int] = {128}
 DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 

@@ -40,7 +40,7 @@ memory), and
   `_bwd_dkv` (per key block) accumulates dK^ (queries of its own chunk), dkL (later chunks), dV,
              dP_m, its share of dPL_b and the key side of dG in registers: no atomics; with the
              Triton chunk kernels it also takes dkL back through kL = kh S^T; for the head dims in
-             SPLIT_DKL, `_bwd_dkl` (per pair of key blocks) scores the later chunks first and
+             SPLIT_DKL, `_bwd_dkl` (per DKL_TILE key blocks) scores the later chunks first and
              `_bwd_dkv` adds its dkL, dV and dG;
   `_chunk_bwd` (per chunk) takes dPL and the gradients of the suffix products S back through the
              chunk products to M, adding the attention kernels' dM = -dP; the UT backward takes dM

@@ -292,10 +292,15 @@ def config_diff(old: dict, new: dict, keys) -> str:
 # One run, guarded
 # =============================================================================================
 
-def run(cfg: TrainConfig, resume: bool = False, log=print, force: bool = False) -> dict:
+def run(cfg: TrainConfig, resume: bool | str = False, log=print, force: bool = False) -> dict:
     """Check the config, take the run's folder (run.lock) and train; SIGINT or SIGTERM stops the run
-    at the next step with a checkpoint. Logs the table of results and returns the metrics."""
+    at the next step with a checkpoint. Logs the table of results and returns the metrics.
+    resume: True, False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
     validate(cfg)
+    if resume == "auto":
+        resume = (cfg.run_dir() / CKPT).exists()
+        if resume:
+            log(f"continuing {cfg.run_dir()} from its checkpoint")
     if resume:
         check_resume(cfg)
     check_run_folder(cfg, resume, force)
@@ -399,7 +404,7 @@ class RunStopped(Exception):
     Interrupted, so that its process pool hands it back like any other outcome)."""
 
 
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool = False, force: bool = False,
+def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False, force: bool = False,
              mps: bool = True) -> list[str]:
     """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
     <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
@@ -559,7 +564,7 @@ def check_failures(failed: list[str], n_runs: int):
                          f"{failed[0]}")
 
 
-def run_logged(cfg: TrainConfig, resume: bool = False, force: bool = False) -> str:
+def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False) -> str:
     """run() with its progress lines in <run>/train.log; returns the one-line summary. A run that a
     signal stops raises RunStopped; one whose turn comes after the command was stopped, at once."""
     if STOP is not None and STOP.is_set():
@@ -665,6 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the time of the others, then stop")
     g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
+    g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
+                   "(the numbers --plan prints)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "
@@ -788,8 +795,8 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    if args.shard or args.budget or args.plan:
-        flag = "--shard" if args.shard else "--budget" if args.budget else "--plan"
+    if args.shard or args.runs or args.budget or args.plan:
+        flag = "--shard" if args.shard else "--runs" if args.runs else "--budget" if args.budget else "--plan"
         raise UsageError(f"{flag} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
@@ -875,7 +882,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     suffix = "" if budget == "quick" else f"-{budget}"
     shard, n_shards = parse_shard(args.shard)
     n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
-    how = speed(args, device, -(-n_runs // n_shards))
+    picked = parse_runs(args.runs, sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values()), args.shard)
+    how = speed(args, device, len(picked) if picked else -(-n_runs // n_shards))
     plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
         for cfg in cfgs:
@@ -884,21 +892,21 @@ def reproduce(args, device: str, preset_name: str) -> int:
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
-    mine = {id(cfg) for k, cfg in enumerate(everything) if k % n_shards == shard}
+    mine = {id(cfg) for k, cfg in enumerate(everything) if (k in picked if picked else k % n_shards == shard)}
     todo = {id(cfg) for cfg in everything
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
-    print_plan(everything, todo, mine, args.jobs, args.shard)
+    print_plan(everything, todo, mine, args.jobs, f"shard {args.shard}" if args.shard else args.runs and f"--runs {args.runs}")
     if args.plan:
         return 0
     tables, failed = [], []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, force=args.force,
-                           mps=not args.no_mps)
+        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, resume=not args.force and "auto",
+                           force=args.force, mps=not args.no_mps)
         waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
         if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
-            print(f"{name}: {len(waiting)} of its {len(cfgs)} runs belong to other shards and are not present yet: "
-                  "its table waits for them (run --reproduce again, without --shard, once they are)")
+            print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "
+                  "its table waits for them (run --reproduce again, without --shard or --runs, once they are)")
             continue
         write_summaries(cfgs)
         for task in sorted({c.task for c in cfgs}):
@@ -927,26 +935,43 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, shard: str | None):
+def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
+    """--runs K,... -> the run numbers (0 <= K < n_runs); none given: the empty set (every run, or the shard's)."""
+    if text is None:
+        return set()
+    if shard:
+        raise UsageError("give --shard or --runs, not both")
+    picked = parse_list(text, int, "--runs")
+    bad = [k for k in picked if not 0 <= k < n_runs]
+    if bad or len(set(picked)) < len(picked):
+        raise UsageError(f"--runs takes distinct run numbers from 0 to {n_runs - 1} (as --plan prints them), got {text!r}")
+    return set(picked)
+
+
+def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None):
     """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
-    and of this shard's), whether this command trains it, and its time: measured
-    (the wall time of the same setup with another seed, per step) or estimated (the same task and method
-    with other settings, per step and sequence), else unknown."""
-    print(f"{len(everything)} runs" + (f", shard {shard}: {len(mine)} of them" if shard else "")
+    and of its part of the list, `part`: "shard I/N" or "--runs K,..."), whether this command trains it
+    (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
+    with another seed, per step) or estimated (the same task and method with other settings, per step
+    and sequence), else unknown."""
+    print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part else "")
           + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown = 0.0, 0
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()
-                 else "other shard")
+                 else "other shard" if (part or "").startswith("shard") else "not picked")
         line = f"  {k:3d} {state:11s} {cfg.run_dir()}"
         if state == "train":
             seconds, how = time_of(cfg)
+            done = checkpoint_step(cfg)
             if seconds is None:
                 unknown += 1
                 line += "  time unknown (no run of this task and method on this kind of device yet)"
             else:
+                seconds *= 1 - done / cfg.steps
                 total += seconds
                 line += f"  {fmt_time(seconds)} ({how})"
+            line += f", from its checkpoint at step {done}" if done else ""
         print(line)
     if todo and unknown == len(todo):
         print("  in all: unknown until one run of each setup has finished")
@@ -954,6 +979,14 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, s
         print(f"  in all about {fmt_time(total / max(1, min(jobs, len(todo))))}"
               + (f" with {jobs} at once, if they share the device evenly" if jobs > 1 else "")
               + (f", plus {unknown} run(s) of unknown time" if unknown else ""))
+
+
+def checkpoint_step(cfg: TrainConfig) -> int:
+    """The step of the run's checkpoint (0: none, or unreadable, which the run reports when it starts)."""
+    try:
+        return int(torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False)["step"])
+    except Exception:
+        return 0
 
 
 def time_of(cfg: TrainConfig) -> tuple[float | None, str]:

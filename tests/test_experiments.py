@@ -1,6 +1,7 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 import experiments
 import cli
+import train
 from cli import main, make_config, validate
 
 
@@ -227,6 +229,58 @@ def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys,
         path.write_text(json.dumps({**json.loads(path.read_text()), "device": "NVIDIA H100 80GB HBM3"}))
     code, stdout, _ = run_cli(capsys, *args, "--plan")
     assert code == 0 and stdout.count("time unknown (no run of this task and method on this kind of device") == 2
+
+
+def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkpoint(capsys, tmp_path, monkeypatch):
+    """--runs 1,3 trains runs 1 and 3 of the fixed list only. A run that a signal stopped after its
+    third step (a preempted Slurm task, the end of a GPU visit) continues from its checkpoint under
+    --reproduce, which the plan says, and ends with the weights and losses of a run never stopped."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, stdout, _ = run_cli(capsys, *args, "--runs", "1,3")
+    assert code == 0 and present(out) == ["copy/nope/seed1", "copy/rope/seed1"]
+    assert "4 runs, --runs 1,3: 2 of them; 2 to train" in stdout and stdout.count("not picked") == 2
+    assert "its table waits for them" in stdout and not (out / "reproduce" / "tiny.md").exists()
+    real, calls = train.Step.__call__, {"n": 0}
+
+    def stop_after_3(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)     # the loop stops before its next step, with a checkpoint
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", stop_after_3)
+    code, _, err = run_cli(capsys, *args, "--runs", "0")
+    run0 = out / "copy" / "nope" / "seed0"
+    assert code == 130 and "stopped by signal" in err and not (run0 / "metrics.json").exists()
+    assert torch.load(run0 / "checkpoint.pt", weights_only=False)["step"] == 3
+    calls["n"] = 0
+
+    def count(self, batch):
+        calls["n"] += 1
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", count)
+    code, stdout, _ = run_cli(capsys, *args, "--plan")
+    assert code == 0 and "0 train       " + str(run0) in stdout and "from its checkpoint at step 3" in stdout
+    code, stdout, _ = run_cli(capsys, *args)
+    assert code == 0 and len(present(out)) == 4 and (out / "reproduce" / "tiny.md").exists()
+    assert f"continuing {run0} from its checkpoint" in stdout and calls["n"] == 3 + 6   # run 0's last 3, run 2's 6
+    again = tmp_path / "again"
+    code, _, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(again), "--device", "cpu", "--runs", "0")
+    a, b = torch.load(run0 / "model.pt"), torch.load(again / "copy" / "nope" / "seed0" / "model.pt")
+    assert code == 0 and all(torch.equal(a[k], b[k]) for k in a)
+    loss = [json.loads((d / "copy" / "nope" / "seed0" / "metrics.json").read_text())["loss"] for d in (out, again)]
+    assert loss[0] == loss[1] and len(loss[0]) == 6
+
+
+@pytest.mark.parametrize("runs", ["4", "0,0", "-1", "a", "2-1"])
+def test_bad_runs_are_one_line_and_write_nothing(capsys, tmp_path, monkeypatch, runs):
+    out = tiny_seeded(tmp_path, monkeypatch)
+    code, _, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu", f"--runs={runs}")
+    assert code == 2 and err.startswith("error: --runs") and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    code, _, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu", "--runs", "0",
+                           "--shard", "0/2")
+    assert code == 2 and err.strip() == "error: give --shard or --runs, not both" and not out.exists()
 
 
 @pytest.mark.parametrize("shard", ["2/2", "1/0", "a/2", "-1/2", "1", "0/2/3"])

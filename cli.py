@@ -74,7 +74,7 @@ PRESETS = {
     },
     "cpu": {
         "default": dict(d_model=64, n_layers=2, n_heads=4, steps=300, batch_size=32, lr=2e-3, n_eval=64),
-        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=600, batch_size=32, lr=3e-3, n_eval=128),
+        "flipflop": dict(d_model=64, n_layers=1, n_heads=2, steps=1600, batch_size=16, lr=3e-3, n_eval=128),
         "mqrar": dict(d_model=64, n_layers=2, n_heads=2, steps=300, batch_size=16, lr=2e-3, n_eval=32),
     },
 }

@@ -82,10 +82,11 @@ def warn_once(msg: str):
 
 
 def note_logits(logits):
-    """Reports one attention call's logits (..., Tq, Tk), -inf where masked, to `largest_logits`."""
+    """Reports one attention call's logits (..., Tq, Tk), -inf where masked, or a list of the pieces
+    of one call's logits, to `largest_logits`."""
     if _probe is not None:
-        x = logits.detach().float()
-        _probe.append(float(x.masked_fill(~torch.isfinite(x), 0).abs().amax()))
+        pieces = [x.detach().float() for x in (logits if isinstance(logits, (list, tuple)) else [logits])]
+        _probe.append(max(float(x.masked_fill(~torch.isfinite(x), 0).abs().amax()) for x in pieces))
 
 
 def sdpa(q, k, v, attn_mask=None, is_causal: bool = False, scale: float | None = None):

@@ -162,7 +162,8 @@ def _pad_time(BL, *xs):
 
 def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     """The blockwise algorithm of the Triton kernel in plain PyTorch (autograd for the backward).
-    Builds the (T, T) logits, so it is for CPU-sized problems; same contract as the naive one."""
+    Builds each query block's logits against every key block up to its own, (BL, (i + 1) BL), so
+    it is for CPU-sized problems; same contract as the naive one."""
     scale, G = _defaults(q, g, scale)
     B, H, T, D = q.shape
     q, k, v, w, beta = _pad_time(block, q, k, v, w, beta)
@@ -171,23 +172,23 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
     qh, kh, wb, u, sd = ut_blocks(q, k, w, beta, scale, BL)
     split = lambda x: x.reshape(B, H, n, BL, x.shape[-1]) # noqa: E731  (B, H, n, BL, .)
     qh, kh, wb, u, sd = map(split, (qh, kh, wb, u, sd))
-    idx = torch.arange(n, device=q.device)
-    rows, cols, vals = [idx], [idx], [sd]                     # block pairs (i, m) and their logits
+    P = torch.eye(D, dtype=u.dtype, device=q.device) - wb.mT @ u   # (B, H, n, D, D) each block's product
+    inside = torch.ones(BL, BL, dtype=torch.bool, device=q.device).tril()
+    blocks = [[None] * i + [s.masked_fill(~inside, -math.inf)] for i, s in enumerate(sd.unbind(2))]
     qt = qh                                                   # query states of blocks d..n-1
-    for d in range(1, n):
+    for d in range(1, n):                                     # blocks[i][m]: (B, H, BL, BL) logits
         qt = qt[:, :, 1:]                                     # blocks i = d..n-1 score key block i-d
-        km, wm, um = kh[:, :, : n - d], wb[:, :, : n - d], u[:, :, : n - d]
-        vals.append(scale * qt @ km.mT)                       # (B, H, n-d, BL, BL)
-        rows.append(idx[d:]), cols.append(idx[: n - d])
-        qt = qt - (qt @ wm.mT) @ um                           # carry through P_{i-d}
-    full = qh.new_zeros(B, H, n, n, BL, BL)                  # (B, H, query block, key block, BL, BL)
-    full[:, :, torch.cat(rows), torch.cat(cols)] = torch.cat(vals, dim=2)
-    logits = full.permute(0, 1, 2, 4, 3, 5).reshape(B, H, Tp, Tp)[:, :, :T, :T]
+        for i, s in enumerate((scale * qt @ kh[:, :, : n - d].mT).unbind(2), start=d):
+            blocks[i][i - d] = s
+        qt = qt @ P[:, :, : n - d]                            # carry through P_{i-d}
+    logits = [torch.cat(row, -1) for row in blocks]          # (B, H, BL, (i + 1) BL) per query block i
     if G is not None:
-        logits = logits + G[..., :, None] - G[..., None, :]
-    logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
+        G = F.pad(G, (0, Tp - T))
+        logits = [x + G[..., i * BL:(i + 1) * BL, None] - G[..., None, :(i + 1) * BL] for i, x in enumerate(logits)]
     note_logits(logits)
-    return (logits.softmax(-1) @ v[:, :, :T].to(logits.dtype)).to(v.dtype)
+    vf = v.to(sd.dtype)
+    out = [x.softmax(-1) @ vf[:, :, :(i + 1) * BL] for i, x in enumerate(logits)]
+    return torch.cat(out, 2)[:, :, :T].to(v.dtype)
 
 
 # =============================================================================================

@@ -75,9 +75,9 @@ def names_for(xs):
 
 # ---- the reference itself -----------------------------------------------------------------------
 
-def test_naive_equals_explicit_householder_products():
-    B, H, T, D = 1, 2, 6, 4
-    q, k, v, w, beta, g = plain(make_inputs(B, H, T, D))
+def explicit_logits(q, k, w, beta, g):
+    """(B, H, T, T) logits q_i^T H_i ... H_{j+1} k_j / sqrt(D) + G_i - G_j written out, -inf above the diagonal."""
+    B, H, T, D = q.shape
     G = g.cumsum(-1)
     eye = torch.eye(D, dtype=torch.float64)
     Hs = eye - beta[..., None, None] * w[..., :, None] * w[..., None, :]      # (B, H, T, D, D)
@@ -89,9 +89,27 @@ def test_naive_equals_explicit_householder_products():
                 P = P @ Hs[:, :, t]
             qPk = (q[:, :, i, None, :] @ P @ k[:, :, j, :, None])[..., 0, 0]
             logits[:, :, i, j] = qPk / math.sqrt(D) + G[:, :, i] - G[:, :, j]
-    want = logits.softmax(-1) @ v
+    return logits
+
+
+def test_naive_equals_explicit_householder_products():
+    q, k, v, w, beta, g = plain(make_inputs(1, 2, 6, 4))
+    want = explicit_logits(q, k, w, beta, g).softmax(-1) @ v
     got = path_attention_naive(q, k, v, w, beta, g)
     assert torch.allclose(got, want, atol=1e-12), (got - want).abs().max()
+
+
+def test_torch_path_reports_its_largest_logit_once(monkeypatch):
+    """The PyTorch path builds its logits per query block; the logit probe (model.largest_logits)
+    still gets one value per call: the largest |logit| of all, with a padded last block (T = 13,
+    blocks of 4)."""
+    import model as M
+    q, k, v, w, beta, g = plain(make_inputs(1, 2, 13, 4))
+    logits = explicit_logits(q, k, w, beta, g)
+    monkeypatch.setattr(M, "_probe", [])
+    path_attention_torch(q, k, v, w, beta, g, block=4)
+    want = float(logits[logits.isfinite()].abs().max())
+    assert M._probe == [pytest.approx(want, rel=1e-6)]          # the probe reads in float32
 
 
 def test_carry_equals_naive():

@@ -895,7 +895,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     mine = {id(cfg) for k, cfg in enumerate(everything) if (k in picked if picked else k % n_shards == shard)}
     todo = {id(cfg) for cfg in everything
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
-    print_plan(everything, todo, mine, args.jobs, f"shard {args.shard}" if args.shard else args.runs and f"--runs {args.runs}")
+    part = f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs else None
+    print_plan(everything, todo, mine, args.jobs, part)
     if args.plan:
         return 0
     tables, failed = [], []

@@ -182,13 +182,15 @@ def path_attention_torch(q, k, v, w, beta, g=None, scale=None, block: int = 64):
             blocks[i][i - d] = s
         qt = qt @ P[:, :, : n - d]                            # carry through P_{i-d}
     logits = [torch.cat(row, -1) for row in blocks]          # (B, H, BL, (i + 1) BL) per query block i
+    logits[-1] = logits[-1][:, :, : T - (n - 1) * BL]         # the real queries of the last block
     if G is not None:
         G = F.pad(G, (0, Tp - T))
-        logits = [x + G[..., i * BL:(i + 1) * BL, None] - G[..., None, :(i + 1) * BL] for i, x in enumerate(logits)]
+        logits = [x + G[..., i * BL:i * BL + x.shape[2], None] - G[..., None, :(i + 1) * BL]
+                  for i, x in enumerate(logits)]
     note_logits(logits)
     vf = v.to(sd.dtype)
     out = [x.softmax(-1) @ vf[:, :, :(i + 1) * BL] for i, x in enumerate(logits)]
-    return torch.cat(out, 2)[:, :, :T].to(v.dtype)
+    return torch.cat(out, 2).to(v.dtype)
 
 
 # =============================================================================================

@@ -102,9 +102,10 @@ def test_naive_equals_explicit_householder_products():
 def test_torch_path_reports_its_largest_logit_once(monkeypatch):
     """The PyTorch path builds its logits per query block; the logit probe (model.largest_logits)
     still gets one value per call: the largest |logit| of all, with a padded last block (T = 13,
-    blocks of 4)."""
+    blocks of 4) whose padded queries are not counted (a strong gate would give them the largest)."""
     import model as M
     q, k, v, w, beta, g = plain(make_inputs(1, 2, 13, 4))
+    g = 20 * g
     logits = explicit_logits(q, k, w, beta, g)
     monkeypatch.setattr(M, "_probe", [])
     path_attention_torch(q, k, v, w, beta, g, block=4)

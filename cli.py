@@ -298,7 +298,8 @@ def run(cfg: TrainConfig, resume: bool | str = False, log=print, force: bool = F
     resume: True, False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
     validate(cfg)
     if resume == "auto":
-        resume = (cfg.run_dir() / CKPT).exists()
+        check_run_folder(cfg, False, force)      # a checkpoint with other options is refused, as without "auto"
+        resume = not force and (cfg.run_dir() / CKPT).exists()
         if resume:
             log(f"continuing {cfg.run_dir()} from its checkpoint")
     if resume:

@@ -272,6 +272,31 @@ def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkp
     assert loss[0] == loss[1] and len(loss[0]) == 6
 
 
+def test_a_checkpoint_with_other_options_is_not_continued(capsys, tmp_path, monkeypatch):
+    """--reproduce continues a stopped run only if its checkpoint has the experiment's options: after
+    the experiment's learning rate changed, the run fails with the options that differ and the
+    checkpoint is kept; --force starts it over."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu", "--runs", "0"]
+    real = train.Step.__call__
+
+    def stop_at_once(self, batch):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", stop_at_once)
+    assert run_cli(capsys, *args)[0] == 130
+    monkeypatch.setattr(train.Step, "__call__", real)
+    ckpt = out / "copy" / "nope" / "seed0" / "checkpoint.pt"
+    kept = ckpt.read_bytes()
+    for run in experiments.EXPERIMENTS["tiny"].runs:
+        run["lr"] = 5e-3
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 1 and "holds a started run (its checkpoint) with other options (lr: 0.002 -> 0.005)" in stdout + err
+    assert ckpt.read_bytes() == kept and not (ckpt.parent / "metrics.json").exists()
+    code, _, _ = run_cli(capsys, *args, "--force")
+    assert code == 0 and (ckpt.parent / "metrics.json").exists()
+
+
 @pytest.mark.parametrize("runs", ["4", "0,0", "-1", "a", "2-1"])
 def test_bad_runs_are_one_line_and_write_nothing(capsys, tmp_path, monkeypatch, runs):
     out = tiny_seeded(tmp_path, monkeypatch)

@@ -754,8 +754,8 @@ def main(argv=None) -> int:
 
 
 def speed(args, device: str, n_runs: int) -> dict:
-    """How runs are executed, never what they compute: sets args.jobs and each run's data workers
-    and CUDA graphs (see --help)."""
+    """How runs are executed, never what they compute: sets args.jobs and each run's data workers,
+    CUDA graphs and torch.compile (see --help)."""
     cuda = device.startswith("cuda")
     if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
         memory = torch.cuda.mem_get_info(0)[0] if cuda else 0    # free now: other commands' runs count
@@ -764,7 +764,8 @@ def speed(args, device: str, n_runs: int) -> dict:
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")
     workers = default_workers(args.jobs) if cuda else 0
-    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs}
+    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
+            "compile": bool(args.compile)}
 
 
 def default_workers(jobs: int) -> int:
@@ -820,7 +821,7 @@ def run_cli(args) -> int:
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
                   held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
-                  compile=args.compile or None, opts=parse_opts(args.method_opt, "--method-opt") or None)
+                  opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
                         preset_name) for m in methods for s in seeds]
     for cfg in cfgs:   # every run is checked before the first one starts

@@ -297,6 +297,14 @@ def test_a_checkpoint_with_other_options_is_not_continued(capsys, tmp_path, monk
     assert code == 0 and (ckpt.parent / "metrics.json").exists()
 
 
+def test_reproduce_passes_compile_to_its_runs(capsys, tmp_path, monkeypatch):
+    """--compile reaches the experiment's runs (on the CPU, where it cannot run, it is refused before
+    anything is written)."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    code, _, err = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu", "--compile")
+    assert code == 2 and "--compile needs a CUDA GPU" in err and not out.exists()
+
+
 @pytest.mark.parametrize("runs", ["4", "0,0", "-1", "a", "2-1"])
 def test_bad_runs_are_one_line_and_write_nothing(capsys, tmp_path, monkeypatch, runs):
     out = tiny_seeded(tmp_path, monkeypatch)

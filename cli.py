@@ -460,7 +460,8 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                     failure(folder, e)           # its traceback is in its train.log
     if flag["stop"]:
         raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint "
-                          "(--resume continues a run from it; <run>/train.log says where each stopped)"
+                          + ("(the same command continues each from it" if resume == "auto" else
+                             "(--resume continues a run from it") + "; <run>/train.log says where each stopped)"
                           + (f"; {len(failed)} failed" if failed else ""))
     return failed
 

@@ -461,7 +461,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                 wall = time.time() - t0
                 checkpoint()
                 raise Interrupted(f"stopped by signal {flag['stop']} after step {step}, checkpoint written: "
-                                  "continue with the same command and --resume")
+                                  "the same command with --resume continues it (with --reproduce, the same command)")
             if step == warm:
                 flush()
                 mark = (step, time.time(), waited)

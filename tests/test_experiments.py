@@ -251,7 +251,7 @@ def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkp
     monkeypatch.setattr(train.Step, "__call__", stop_after_3)
     code, _, err = run_cli(capsys, *args, "--runs", "0")
     run0 = out / "copy" / "nope" / "seed0"
-    assert code == 130 and "stopped by signal" in err and not (run0 / "metrics.json").exists()
+    assert code == 130 and "with --reproduce, the same command" in err and not (run0 / "metrics.json").exists()
     assert torch.load(run0 / "checkpoint.pt", weights_only=False)["step"] == 3
     calls["n"] = 0
 

@@ -288,6 +288,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     import tempfile
 
     import cli
+    import experiments
     import train
     from tasks import TASKS
 
@@ -296,7 +297,6 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
     for task, method in runs:
         settings = {}
         if (task, method) in TRAIN_AS:                    # the experiment's settings but its steps and n_eval
-            import experiments
             settings = {k: v for k, v in experiments.run_of(TRAIN_AS[task, method], task).items()
                         if k not in ("task", "method", "steps", "n_eval")}
         for mode, how in modes.items():

@@ -297,14 +297,13 @@ def run(cfg: TrainConfig, resume: bool | str = False, log=print, force: bool = F
     at the next step with a checkpoint. Logs the table of results and returns the metrics.
     resume: True, False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
     validate(cfg)
+    check_run_folder(cfg, resume is True, force)   # "auto": a checkpoint with other options is refused too
     if resume == "auto":
-        check_run_folder(cfg, False, force)      # a checkpoint with other options is refused, as without "auto"
         resume = not force and (cfg.run_dir() / CKPT).exists()
         if resume:
             log(f"continuing {cfg.run_dir()} from its checkpoint")
     if resume:
         check_resume(cfg)
-    check_run_folder(cfg, resume, force)
     lock = lock_run(cfg.run_dir())
     try:
         with stop_signals() as flag:

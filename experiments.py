@@ -470,7 +470,9 @@ EXPERIMENTS: dict[str, Experiment] = {
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
         scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, "
-               "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string copy and SCAN; "
+               "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at "
+               "least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string "
+               "copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
@@ -513,8 +515,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"upe-m3": ["", "", "", "~0.9", ""], "rpe-m3": ["", "", "", "degrades", ""],
                "ape-m3": ["", "fails", "fails", "fails", "fails"]},
         scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 3 seeds (seed 0 run first); "
-               "6 layers for the 1-digit multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, `UPE_BERT`; with it, 8k "
-               "steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
+               "6 layers for the 1-digit multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, "
+               "`UPE_BERT`; with it, 8k steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
                "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget",
         seeds=[0, 1, 2],
         checks=[("mul_padded/upe-m3", "mul_padded/rpe-m3", 3), ("mul_padded/upe-m3", "mul_padded/ape-m3", 3),

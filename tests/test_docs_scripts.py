@@ -80,9 +80,14 @@ def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     (row,) = json.loads((tmp_path / "s.json").read_text())
     assert row["finished"] and row["steps"] == 3 and row["logit_max_last"] > 0 and 0 <= row["in_dist_exact"] <= 1
     (run / "metrics.json").unlink()                      # a run still going: its checkpoint
-    script("loss_jumps.py", run, "--json", tmp_path / "s.json")
+    out = script("loss_jumps.py", run, "--json", tmp_path / "s.json", "--every", 2)
     (row,) = json.loads((tmp_path / "s.json").read_text())
     assert not row["finished"] and row["steps"] == 3 and "run" in out
+    ckpt = torch.load(run / train.CKPT, weights_only=False)
+    loss = dict(ckpt["losses"])
+    (last_step, logits), = ckpt["logit_max"]             # one checkpoint, at the last step
+    assert last_step == 3 and row["intervals"] == [[2, max(loss[1], loss[2]), None], [3, loss[3], max(logits)]]
+    assert "to step       3" in out
 
 
 @pytest.mark.parametrize("method", ["vipe", "rope"])

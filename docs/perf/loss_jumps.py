@@ -2,9 +2,10 @@
 loss first fell below 0.01, the highest loss after that step (and where), the largest attention
 logit at the first and last checkpoints, the in-distribution exact match (s = 1 rows) where the run
 has finished, from metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every
-loss).
+loss). With --every N, also each N-step interval's highest loss and largest logit, the timeline
+of a run that leaves zero loss.
 
-    python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT]
+    python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000]
 
 Run it from the repository root. Results: docs/perf/vipe.md ("Long runs").
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 
-def summary(run: Path) -> dict:
+def summary(run: Path, every: int = 0) -> dict:
     if (run / "metrics.json").exists():
         m = json.loads((run / "metrics.json").read_text())
         losses, logits, done = m.get("loss_peak") or m["loss"], m.get("logit_max", []), True
@@ -31,20 +32,40 @@ def summary(run: Path) -> dict:
     first = next((s for s, v in losses if v < 0.01), None)
     after = [(v, s) for s, v in losses if first is not None and s > first]
     peak, at = max(after) if after else (None, None)
-    return {"run": str(run), "finished": done, "steps": losses[-1][0] if losses else 0,
-            "first_below_0.01": first, "max_loss_after": peak, "at_step": at,
-            "logit_max_first": max(logits[0][1]) if logits else None,
-            "logit_max_last": max(logits[-1][1]) if logits else None, "in_dist_exact": in_dist}
+    row = {"run": str(run), "finished": done, "steps": losses[-1][0] if losses else 0,
+           "first_below_0.01": first, "max_loss_after": peak, "at_step": at,
+           "logit_max_first": max(logits[0][1]) if logits else None,
+           "logit_max_last": max(logits[-1][1]) if logits else None, "in_dist_exact": in_dist}
+    if every:
+        row["intervals"] = intervals(losses, logits, every)
+    return row
+
+
+def intervals(losses, logits, every: int) -> list:
+    """[end step, highest loss, largest logit] of each `every` steps (steps end - every + 1 .. end);
+    the logit is None where no checkpoint fell in the interval."""
+    last = losses[-1][0] if losses else 0
+    out = []
+    for end in range(every, last + every, every):
+        loss = [v for s, v in losses if end - every < s <= end]
+        logit = [max(v) for s, v in logits if end - every < s <= end]
+        out.append([min(end, last), max(loss) if loss else None, max(logit) if logit else None])
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--json", help="also write the summaries here")
+    p.add_argument("--every", type=int, default=0, help="also the highest loss and largest logit of every N steps")
     a = p.parse_args(argv)
-    rows = [summary(r) for r in a.runs]
+    rows = [summary(r, a.every) for r in a.runs]
     for r in rows:
-        print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+        print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                         if k != "intervals"))
+        for end, loss, logit in r.get("intervals", []):
+            print(f"  to step {end:>7}: highest loss " + ("-" if loss is None else f"{loss:.2g}") + ", largest logit " +
+                  ("-" if logit is None else f"{logit:.4g}"))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

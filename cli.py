@@ -457,12 +457,35 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                           + ("stopped, checkpoint written" if started else "not started"), flush=True)
                 except Exception as e:
                     failure(folder, e)           # its traceback is in its train.log
+        end_pool(pool)
     if flag["stop"]:
         raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint "
                           + ("(the same command continues each from it" if resume == "auto" else
                              "(--resume continues a run from it") + "; <run>/train.log says where each stopped)"
                           + (f"; {len(failed)} failed" if failed else ""))
     return failed
+
+
+POOL_EXIT_WAIT = 30.0   # seconds for the job processes to exit once every run has ended
+
+
+def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda line: print(line, flush=True)):
+    """Shut down a pool whose runs have all ended, waiting at most `wait` seconds for its processes
+    to exit. Every run's outcome is in by then (a stopped run has written its checkpoint), so a job
+    process that has not exited (a thread or a child it left behind, its GPU context at exit) is
+    killed, with one line that says so, instead of holding the command until its time limit."""
+    processes = list((pool._processes or {}).values())   # the pool's processes (no public accessor)
+    pool.shutdown(wait=False)
+    deadline = time.time() + wait
+    for process in processes:
+        process.join(max(0.0, deadline - time.time()))
+    stuck = [process for process in processes if process.is_alive()]
+    for process in stuck:
+        process.kill()
+        process.join()
+    if stuck:
+        log(f"  killed {len(stuck)} job process{'es' if len(stuck) > 1 else ''} (pid "
+            f"{', '.join(str(x.pid) for x in stuck)}) still there {wait:g} s after the runs ended")
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -515,10 +538,10 @@ def mps_daemon(folder: Path, log=print):
     finally:
         for key in env:
             os.environ.pop(key, None)
-        stop_mps(exe, daemon, env)
+        stop_mps(exe, daemon, env, log)
 
 
-def stop_mps(exe: str, daemon: subprocess.Popen, env: dict):
+def stop_mps(exe: str, daemon: subprocess.Popen, env: dict, log=None):
     """Ask the daemon to quit (it stops its server too); kill it if it has not gone within MPS_WAIT."""
     if daemon.poll() is None:
         try:
@@ -528,6 +551,8 @@ def stop_mps(exe: str, daemon: subprocess.Popen, env: dict):
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
+            if log:
+                log(f"MPS: the daemon had not quit {MPS_WAIT:g} s after it was asked to: killed")
 
 
 def visible_gpus() -> list[str]:

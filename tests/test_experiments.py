@@ -457,7 +457,8 @@ def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkey
             pid = int((tmp_path / "out" / ".mps" / "pipe" / "pid").read_text())
             assert alive(pid)
             raise KeyboardInterrupt
-    assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and len(lines) == 1
+    assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    assert len(lines) == 2 and lines[1] == "MPS: the daemon had not quit 0.5 s after it was asked to: killed"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
@@ -480,6 +481,33 @@ def test_without_mps_the_jobs_run_and_one_line_says_what_it_costs(capsys, tmp_pa
     assert len(list((tmp_path / "b").glob("copy/*/seed0/metrics.json"))) == 2
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "c"), "--no-mps")
     assert code == 0 and "MPS" not in stdout
+
+
+def _leave_a_thread_running(seconds: float) -> int:
+    """A job that returns but leaves a non-daemon thread behind, so its process cannot exit."""
+    import threading
+    import time
+    threading.Thread(target=time.sleep, args=(seconds,)).start()
+    return os.getpid()
+
+
+def test_a_job_process_that_does_not_exit_is_killed_once_the_runs_have_ended():
+    """end_pool waits a bounded time for the pool's processes; one that is still there is killed and
+    named, where the pool's own shutdown would wait for it (here 600 s)."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    stuck = pool.submit(_leave_a_thread_running, 600).result(timeout=120)
+    lines, t0 = [], time.time()
+    cli.end_pool(pool, wait=2.0, log=lines.append)
+    assert time.time() - t0 < 30 and not alive(stuck)
+    assert lines == [f"  killed 1 job process (pid {stuck}) still there 2 s after the runs ended"]
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    pool.submit(os.getpid).result(timeout=120)                 # processes that exit: no line, no wait
+    t0 = time.time()
+    cli.end_pool(pool, wait=60.0, log=lines.append)
+    assert time.time() - t0 < 30 and len(lines) == 1
 
 
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill-parent", "ctrl-c-group"])

@@ -19,6 +19,7 @@ if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -259,6 +260,7 @@ def save_atomic(obj, path: Path, **savefig):
 
 
 CKPT = "checkpoint.pt"
+JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01 is a jump: keep the checkpoint before (3 a run)
 
 
 class NaNLoss(Exception):
@@ -436,6 +438,19 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     warm = step + min(50, (cfg.steps - step) // 5)   # steps/s and data wait in the metrics: after these
     mark = (step, time.time(), 0.0)             # steps (compiles, graph captures, workers starting)
     pending = []  # losses still on the device: reading each one would stall the GPU every step
+    # jumps: has the loss been below JUMP[0], is it in a jump now (not back below since), the jumps kept
+    jump = {"settled": any(v < JUMP[0] for _, v in losses), "up": False,
+            "kept": len(list(cfg.run_dir().glob("before-jump-*.pt")))}
+
+    def keep_before_jump(at: int):
+        """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt: the
+        weights from which to replay the steps that left zero loss (docs/perf/vipe.md, "Long runs")."""
+        jump["up"] = True
+        if jump["kept"] < JUMP[2] and (cfg.run_dir() / CKPT).exists():
+            jump["kept"] += 1
+            shutil.copyfile(cfg.run_dir() / CKPT, cfg.run_dir() / f"before-jump-{at}.pt")
+            log(f"  loss {losses[-1][1]:.3g} at step {at} after it had been below {JUMP[0]}: kept the checkpoint "
+                f"before it as before-jump-{at}.pt")
 
     def flush():
         """Move pending losses to the host; stop at the first non-finite one."""
@@ -451,6 +466,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                               f"loss {'none' if last is None else f'{last:.4g}'} ("
                               + (f"the last checkpoint in {cfg.run_dir()} is kept)" if kept else "no checkpoint written)"))
             losses.append([first + k, v])
+            if v < JUMP[0]:
+                jump.update(settled=True, up=False)
+            elif v > JUMP[1] and jump["settled"] and not jump["up"]:
+                keep_before_jump(first + k)
         pending.clear()
 
     stream = batches(cfg, task, train_lengths, step, cfg.steps)

@@ -74,6 +74,50 @@ def test_vipe_stability_records_every_interval(tmp_path):
     assert "exact_1_16" in recs[-1] and "exact_1_16" not in recs[0]
 
 
+def test_vipe_margins_probes_each_vipe_layer_in_both_precisions(tmp_path):
+    run = tiny_run(tmp_path, task="parity", method="vipe", n_layers=2, train_lengths=[2, 3], train_set=16)
+    out = script("vipe_margins.py", run / train.CKPT, "--batches", 2, "--json", tmp_path / "m.json")
+    (r,) = json.loads((tmp_path / "m.json").read_text())
+    assert r["step"] == 3 and r["sequences"] == 8 and len(r["layers"]) == 2 and "ViPE layer 2" in out
+    assert r["loss_fp32"]["max"] >= r["loss_fp32"]["mean"] > 0 and r["loss_bf16"]["max"] > 0
+    for layer in r["layers"]:                             # rows of tokens 2.. of the batch's padded width
+        assert layer["largest_logit"] > 0 and 0 <= layer["gap_q01"] <= layer["gap_median"]
+        assert 0 <= layer["rows_gap_below_1"] <= r["rows"] and 0 <= layer["rows_moved_by_bf16"] <= r["rows"]
+    cfg, model, _ = margins_module().load(run / train.CKPT)  # each sequence's highest loss, directly
+    task, worst = train.TASKS["parity"], []
+    with torch.no_grad():
+        for b in train.batches(cfg, task, [2, 3], 0, 2):
+            out = model(b.x, train.batch_context(task, b, "cpu"))
+            worst.append(torch.nn.functional.cross_entropy(out.transpose(1, 2), b.y, ignore_index=-100,
+                                                           reduction="none").max(1).values)
+    assert abs(torch.cat(worst).mean().item() - r["loss_fp32"]["mean"]) < 1e-6 * max(1, r["loss_fp32"]["mean"])
+
+
+def margins_module():
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import vipe_margins
+    finally:
+        sys.path.pop(0)
+    return vipe_margins
+
+
+def test_vipe_margins_logits_are_those_of_the_naive_reference():
+    """The probe's float64 logits, softmaxed and applied to v, give the naive reference's output."""
+    import vipe
+    vipe_margins = margins_module()
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 2, 7, 8, dtype=torch.float64).unbind(0)
+    v, u = torch.randn(2, 2, 7, 7, dtype=torch.float64), 0.3 * torch.randn(2, 8, dtype=torch.float64)
+    w_p, b_p = torch.zeros(2, 0, dtype=torch.float64), torch.zeros(2, 0, dtype=torch.float64)
+    for s in (1.0, 3.0):
+        vipe_margins._logits.clear()
+        vipe_margins._recording(q, k, v, u, w_p, b_p, s)
+        (logits,) = vipe_margins._logits
+        want = vipe.vipe_attention_naive(q, k, v, u, w_p, b_p, s)
+        assert torch.allclose(logits.softmax(-1) @ v, want, atol=1e-12), (logits.softmax(-1) @ v - want).abs().max()
+
+
 def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3])
     out = script("loss_jumps.py", run, "--json", tmp_path / "s.json")

@@ -118,6 +118,29 @@ def test_vipe_margins_logits_are_those_of_the_naive_reference():
         assert torch.allclose(logits.softmax(-1) @ v, want, atol=1e-12), (logits.softmax(-1) @ v - want).abs().max()
 
 
+def test_plateau_replay_retrains_the_runs_own_next_steps(tmp_path):
+    """With c = 1 and the run's own eps the replay is the run itself: from the checkpoint at step 3,
+    the losses of steps 4-6 of the same run continued (--resume continues bit for bit on the CPU)."""
+    import shutil
+    run = tiny_run(tmp_path, task="parity", method="vipe", train_lengths=[2, 3], train_set=16, weight_decay=0.0)
+    shutil.copy(run / train.CKPT, tmp_path / "at3.pt")
+    cfg = cli.make_config({"device": "cpu", "steps": 6, "batch_size": 4, "n_eval": 2, "d_model": 16, "n_layers": 1,
+                           "n_heads": 1, "out": str(tmp_path), "task": "parity", "method": "vipe",
+                           "train_lengths": [2, 3], "train_set": 16, "weight_decay": 0.0}, "cpu")
+    losses = dict(train.train(cfg, resume=True, log=lambda *_: None)["loss"])
+    out = script("plateau_replay.py", tmp_path / "at3.pt", "--steps", 2, "--scales", "1,1000",
+                 "--eps", f"{cfg.adam_eps:g},1", "--json", tmp_path / "r.json")
+    (r,) = json.loads((tmp_path / "r.json").read_text())
+    same = r["runs"][0]
+    assert (same["eps"], same["scale"]) == (cfg.adam_eps, 1.0) and r["step"] == 3 and "x1000" in out
+    assert same["first_loss"] == pytest.approx(losses[4], rel=1e-6)
+    assert same["highest_after"] == pytest.approx(max(losses[5], losses[6]), rel=1e-6)
+    assert same["last"] == pytest.approx(losses[6], rel=1e-6)
+    big_eps = [x for x in r["runs"] if x["eps"] == 1.0]       # eps 1: steps of ~lr * g, the loss barely moves
+    assert len(big_eps) == 2 and all(abs(x["last"] - x["first_loss"]) < abs(same["last"] - same["first_loss"])
+                                     for x in big_eps)
+
+
 def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3])
     out = script("loss_jumps.py", run, "--json", tmp_path / "s.json")

@@ -497,13 +497,13 @@ def test_a_job_process_that_does_not_exit_is_killed_once_the_runs_have_ended():
     import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
-    stuck = pool.submit(_leave_a_thread_running, 600).result(timeout=120)
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))   # one: no process still
+    stuck = pool.submit(_leave_a_thread_running, 600).result(timeout=120)            # starting when it ends
     lines, t0 = [], time.time()
     cli.end_pool(pool, wait=2.0, log=lines.append)
     assert time.time() - t0 < 30 and not alive(stuck)
     assert lines == [f"  killed 1 job process (pid {stuck}) still there 2 s after the runs ended"]
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     pool.submit(os.getpid).result(timeout=120)                 # processes that exit: no line, no wait
     t0 = time.time()
     cli.end_pool(pool, wait=60.0, log=lines.append)
@@ -612,3 +612,30 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
         head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
         short = head if head in ("yes", "no", "partly") else "none, < 3 seeds"
         assert f"| {short} ({held}/{total} checks) / " in line, (name, word)
+
+
+def test_the_vipe_full_setups_eps_keeps_a_collapsed_adam_from_a_burst():
+    """What knocked the long ViPE runs off zero loss (docs/perf/vipe.md, "Long runs"): after thousands of
+    steps at a plateau, Adam's second moment sits far below eps (sqrt(v) ~ 2e-10 there), and a batch whose
+    gradient is ~100x the plateau's (here 1e-5 a weight) is taken as steps of up to 3.6 learning rates on
+    every weight with the loop's eps 1e-6. The full setup's eps keeps them under 0.1."""
+    from train import TrainConfig, make_optimizer
+
+    def largest_update(eps):
+        cfg = TrainConfig(lr=1e-3, weight_decay=0.0, adam_eps=eps)
+        model = torch.nn.Linear(4, 4, bias=False)
+        opt = make_optimizer(model, cfg, "cpu")
+        model.weight.grad = torch.full_like(model.weight, 2e-10)
+        for _ in range(3000):
+            opt.step()
+        model.weight.grad = torch.full_like(model.weight, 1e-5)
+        moves = []
+        for _ in range(50):
+            before = model.weight.detach().clone()
+            opt.step()
+            moves.append(float((model.weight.detach() - before).abs().max()) / cfg.lr)
+        return max(moves)
+    full_eps = experiments.VIPE_PAPER["adam_eps"]
+    assert all(run["adam_eps"] == full_eps for run in experiments.EXPERIMENTS["vipe-parity"].full["runs"])
+    assert largest_update(full_eps) < 0.15
+    assert largest_update(TrainConfig().adam_eps) > 3.0

@@ -430,10 +430,12 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
           + "; each logs to <run>/train.log")
     ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
     stop = ctx.Event()                                           # set: queued runs do not start
+    on_cpu = all(device_of(cfg.device) == "cpu" for cfg in cfgs)
     setup = dict(initializer=start_job, initargs=(gpus if len(gpus) > 1 else [], ctx.Value("i", 0), stop))
     shared = mps and gpus and min(jobs, len(cfgs)) > len(gpus)   # some GPU runs several jobs
     stopped = []
-    with stop_signals() as flag, mps_daemon(Path(cfgs[0].out) / ".mps") if shared else contextlib.nullcontext(), \
+    with stop_signals() as flag, mps_daemon(Path(cfgs[0].out) / ".mps") if shared else \
+            passive_threads() if on_cpu else contextlib.nullcontext(), \
             ProcessPoolExecutor(jobs, mp_context=ctx, **setup) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
         pending, passed_on = set(futures), False
@@ -464,6 +466,23 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                              "(--resume continues a run from it") + "; <run>/train.log says where each stopped)"
                           + (f"; {len(failed)} failed" if failed else ""))
     return failed
+
+
+@contextlib.contextmanager
+def passive_threads():
+    """For jobs on the CPU: the processes started in the block get OMP_WAIT_POLICY=PASSIVE, so that
+    PyTorch's threads sleep between parallel regions instead of spinning. Each job starts a thread per
+    core, and spinning threads of several jobs on the same cores wait on each other (docs/perf/
+    training.md). Each job keeps a run's usual thread count, so its results are those of the run
+    alone, bit for bit. A policy the user set is kept."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 POOL_EXIT_WAIT = 30.0   # seconds for the job processes to exit once every run has ended
@@ -598,9 +617,11 @@ def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False
     path = cfg.run_dir() / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            print(f"process {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
-                  + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
+        print(f"process {os.getpid()}, {torch.get_num_threads()} CPU threads"
+              + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if os.environ.get("OMP_WAIT_POLICY") else "")
+              + (f", CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
+                 if os.environ.get("CUDA_VISIBLE_DEVICES") is not None else "")
+              + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Interrupted as e:

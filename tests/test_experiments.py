@@ -111,7 +111,21 @@ def test_jobs_run_concurrently_with_the_results_of_sequential_runs(capsys, tmp_p
         a = torch.load(tmp_path / "seq" / "copy" / m / "seed0" / "model.pt")
         b = torch.load(tmp_path / "par" / "copy" / m / "seed0" / "model.pt")
         assert all(torch.equal(a[k], b[k]) for k in a)
-        assert "steps/s" in (tmp_path / "par" / "copy" / m / "seed0" / "train.log").read_text()
+        log = (tmp_path / "par" / "copy" / m / "seed0" / "train.log").read_text()
+        assert "steps/s" in log and "CPU threads (OMP_WAIT_POLICY=PASSIVE)" in log
+
+
+def test_cpu_jobs_keep_an_omp_wait_policy_the_user_set(capsys, tmp_path, monkeypatch):
+    """PASSIVE is set for the jobs only (the command's own environment is left as it was), and a policy
+    the user chose is passed on unchanged."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    code, _, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "a"))
+    assert code == 0 and "OMP_WAIT_POLICY" not in os.environ
+    assert "(OMP_WAIT_POLICY=PASSIVE)" in (tmp_path / "a" / "copy" / "rope" / "seed0" / "train.log").read_text()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    code, _, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "b"))
+    assert code == 0 and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "(OMP_WAIT_POLICY=ACTIVE)" in (tmp_path / "b" / "copy" / "rope" / "seed0" / "train.log").read_text()
 
 
 def fake_rows(values, lengths=(5, 10, 15)):
@@ -386,7 +400,7 @@ def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch
     assert code == 0 and "4 runs, 4 at a time over GPUs 0, 1" in stdout
     seen = {}
     for log in tmp_path.glob("copy/*/seed*/train.log"):
-        pid, gpu = re.search(r"process (\d+), CUDA_VISIBLE_DEVICES=(\S+)", log.read_text()).groups()
+        pid, gpu = re.search(r"process (\d+), \d+ CPU threads[^,]*, CUDA_VISIBLE_DEVICES=(\S+)", log.read_text()).groups()
         assert seen.setdefault(pid, gpu) == gpu                  # a process keeps its GPU
     assert len(list(tmp_path.glob("copy/*/seed*/train.log"))) == 4 and set(seen.values()) <= {"0", "1"}
     per_gpu = [sum(g == gpu for g in seen.values()) for gpu in ("0", "1")]

@@ -439,7 +439,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     mark = (step, time.time(), 0.0)             # steps (compiles, graph captures, workers starting)
     pending = []  # losses still on the device: reading each one would stall the GPU every step
     # jumps: has the loss been below JUMP[0], is it in a jump now (not back below since), the jumps kept
-    jump = {"settled": any(v < JUMP[0] for _, v in losses), "up": False,
+    settled = any(v < JUMP[0] for _, v in losses)
+    jump = {"settled": settled, "up": settled and losses[-1][1] >= JUMP[0],
             "kept": len(list(cfg.run_dir().glob("before-jump-*.pt")))}
 
     def keep_before_jump(at: int):

@@ -381,9 +381,10 @@ def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch, workers):
 def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, monkeypatch):
     """Losses scripted per step: high (not a jump: the run has not been near zero yet), below 0.01,
     a jump at step 7, back, a second jump at 9 lasting two steps. Each jump keeps the checkpoint on
-    disk when it came (step 5's) once, and says so; a resumed run still knows it has been near zero."""
+    disk when it came (step 5's) once, and says so. A resumed run still knows whether it is in a jump
+    and whether it has been near zero."""
     real, script = F.cross_entropy, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1e-3, 5: 1e-3, 6: 1e-3, 7: 0.5, 8: 1e-3, 9: 0.3,
-                                     10: 0.2, 11: 1e-3, 12: 0.3}
+                                     10: 0.2}
     calls = {"n": 0}
 
     def scripted(*a, **k):
@@ -399,10 +400,14 @@ def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, mo
     assert [x.strip() for x in lines if "before-jump" in x] == [
         "loss 0.5 at step 7 after it had been below 0.01: kept the checkpoint before it as before-jump-7.pt",
         "loss 0.3 at step 9 after it had been below 0.01: kept the checkpoint before it as before-jump-9.pt"]
-    cfg = tiny_config(tmp_path, steps=12)                     # resumed from step 10: 11 is low, 12 a jump
+    script[11] = 0.3                                          # resumed from step 10, still in the jump of 9
+    train.train(tiny_config(tmp_path, steps=11), resume=True, log=lines.append)
+    assert len(list(cfg.run_dir().glob("before-jump-*.pt"))) == 2
+    script[12], script[13] = 1e-3, 0.3                        # resumed from step 11: 12 is low, 13 a jump
+    cfg = tiny_config(tmp_path, steps=13)
     train.train(cfg, resume=True, log=lines.append)
-    assert (cfg.run_dir() / "before-jump-12.pt").exists()
-    assert torch.load(cfg.run_dir() / "before-jump-12.pt", weights_only=False)["step"] == 10
+    assert (cfg.run_dir() / "before-jump-13.pt").exists()
+    assert torch.load(cfg.run_dir() / "before-jump-13.pt", weights_only=False)["step"] == 11
 
 
 # ---- CLI --------------------------------------------------------------------------------------

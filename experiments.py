@@ -293,7 +293,7 @@ def _vipe_experiment(task: str) -> Experiment:
                   seeds=VIPE_SEEDS, checks=_vipe_checks(task, ["nope"]),
                   scaled="the paper's setup (Adam at a constant lr 3e-4, batch 256, 256k steps over a fixed set of "
                          "32,768 sequences, 2,048 test sequences per length, its 8 seeds), d = 128; only NoPE (the "
-                         "strongest baseline of the quick runs) and ViPE; AdamW's eps 1e-4 (with 1e-8 or 1e-6 runs "
+                         "strongest baseline of the quick runs) and ViPE; AdamW's eps 1e-4 (with 1e-8 or 1e-6, runs "
                          "leave zero loss: docs/perf/vipe.md), the loop's 100 warm-up steps, ViPE fine-tuned 200 "
                          "steps with the fixed s (the paper: briefly)"))
 

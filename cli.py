@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -494,15 +495,18 @@ def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda
     process that has not exited (a thread or a child it left behind, its GPU context at exit) is
     killed, with one line that says so, instead of holding the command until its time limit."""
     processes = list((pool._processes or {}).values())   # the pool's processes (no public accessor)
-    pool.shutdown(wait=False)
-    deadline = time.time() + wait
-    for process in processes:
-        process.join(max(0.0, deadline - time.time()))
-    stuck = [process for process in processes if process.is_alive()]
+    pool.shutdown(wait=False)                              # its own thread joins them from now on, so
+    running = {process.sentinel: process for process in processes}   # watch their sentinels (ready once
+    deadline = time.time() + wait                          # a process has ended), not their exit codes
+    while running and time.time() < deadline:
+        for sentinel in multiprocessing.connection.wait(list(running), max(0.0, deadline - time.time())):
+            running.pop(sentinel)
+    stuck = list(running.values())
     for process in stuck:
-        process.kill()
-        process.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
     if stuck:
+        multiprocessing.connection.wait([process.sentinel for process in stuck], 10.0)
         log(f"  killed {len(stuck)} job process{'es' if len(stuck) > 1 else ''} (pid "
             f"{', '.join(str(x.pid) for x in stuck)}) still there {wait:g} s after the runs ended")
 

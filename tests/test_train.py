@@ -238,6 +238,24 @@ def test_metrics_keep_the_highest_loss_of_every_stretch(tmp_path, monkeypatch):
     assert max(v for _, v in metrics["loss"]) < 100 and max(metrics["loss_peak"], key=lambda x: x[1])[0] == 1004
 
 
+def largest_adam_update(eps: float, plateau: float, burst: float, steps: int) -> float:
+    """The largest change of a weight, in learning rates, over `steps` steps of AdamW (the loop's
+    optimiser) with gradient `burst`, after 3000 steps with gradient `plateau` (a loss at ~zero)."""
+    cfg = TrainConfig(lr=1e-3, weight_decay=0.0, adam_eps=eps)
+    model = torch.nn.Linear(4, 4, bias=False)
+    opt = train.make_optimizer(model, cfg, "cpu")
+    model.weight.grad = torch.full_like(model.weight, plateau)
+    for _ in range(3000):
+        opt.step()
+    model.weight.grad = torch.full_like(model.weight, burst)
+    moves = []
+    for _ in range(steps):
+        before = model.weight.detach().clone()
+        opt.step()
+        moves.append(float((model.weight.detach() - before).abs().max()) / cfg.lr)
+    return max(moves)
+
+
 def test_adam_takes_no_large_step_when_gradients_return_after_vanishing():
     """The mechanism behind long runs' loss spikes (docs/perf/vipe.md, "Long runs"): after thousands
     of steps with gradients of 1e-9 (a loss of ~1e-9), Adam's second moment has collapsed, and a
@@ -245,21 +263,21 @@ def test_adam_takes_no_large_step_when_gradients_return_after_vanishing():
     the loop's epsilon that stays within one learning rate; with PyTorch's default 1e-8 it is
     several."""
     def largest_update(eps):
-        cfg = TrainConfig(lr=1e-3, weight_decay=0.0, adam_eps=eps)
-        model = torch.nn.Linear(4, 4, bias=False)
-        opt = train.make_optimizer(model, cfg, "cpu")
-        model.weight.grad = torch.full_like(model.weight, 1e-9)
-        for _ in range(3000):
-            opt.step()
-        model.weight.grad = torch.full_like(model.weight, 1e-6)
-        moves = []
-        for _ in range(200):
-            before = model.weight.detach().clone()
-            opt.step()
-            moves.append(float((model.weight.detach() - before).abs().max()) / cfg.lr)
-        return max(moves)
+        return largest_adam_update(eps, 1e-9, 1e-6, 200)
     assert largest_update(TrainConfig().adam_eps) <= 1.0
     assert largest_update(1e-8) > 3.0
+
+
+def test_the_vipe_full_setups_eps_keeps_a_collapsed_adam_from_a_burst():
+    """What knocked the long ViPE runs off zero loss (docs/perf/vipe.md, "Long runs"): after thousands of
+    steps at a plateau, Adam's second moment sits far below eps (sqrt(v) ~ 2e-10 there), and a batch whose
+    gradient is ~100x the plateau's (here 1e-5 a weight) is taken as steps of up to 3.6 learning rates on
+    every weight with the loop's eps 1e-6. The full setup's eps keeps them under 0.1."""
+    import experiments
+    full_eps = experiments.VIPE_PAPER["adam_eps"]
+    assert all(run["adam_eps"] == full_eps for run in experiments.EXPERIMENTS["vipe-parity"].full["runs"])
+    assert largest_adam_update(full_eps, 2e-10, 1e-5, 50) < 0.15
+    assert largest_adam_update(TrainConfig().adam_eps, 2e-10, 1e-5, 50) > 3.0
 
 
 def test_metrics_record_the_commit_the_run_started_on(tmp_path, monkeypatch):

@@ -626,4 +626,3 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
         head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
         short = head if head in ("yes", "no", "partly") else "none, < 3 seeds"
         assert f"| {short} ({held}/{total} checks) / " in line, (name, word)
-

@@ -486,7 +486,8 @@ def passive_threads():
         os.environ.pop("OMP_WAIT_POLICY", None)
 
 
-POOL_EXIT_WAIT = 30.0   # seconds for the job processes to exit once every run has ended
+POOL_EXIT_WAIT = 10.0   # seconds for the job processes to exit once every run has ended (on a GPU they
+                        # were seen not to exit on their own: docs/perf/vipe.md, "Stopping runs")
 
 
 def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda line: print(line, flush=True)):

@@ -157,6 +157,20 @@ def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     assert "to step       3" in out
 
 
+def test_loss_jumps_settled_needs_a_whole_window_below_the_threshold():
+    """A single low batch in the learning phase does not count as settled; the highest loss is read
+    from the settled step on, so a dip before it is not a jump after it."""
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import loss_jumps
+    finally:
+        sys.path.pop(0)
+    losses = [(1, 2.0), (2, 0.005), (3, 0.3), (4, 0.004), (5, 0.003), (6, 0.002), (7, 0.2), (8, 0.001),
+              (9, 0.001), (10, 0.001), (11, 0.002), (12, 0.0005)]
+    assert loss_jumps.settled(losses, 3) == 4 and loss_jumps.settled(losses, 4) == 8
+    assert loss_jumps.settled(losses, 6) is None and loss_jumps.settled(losses[:11], 4) == 8
+
+
 @pytest.mark.parametrize("method", ["vipe", "rope"])
 def test_batched_seeds_train_each_seed_as_if_alone(tmp_path, method):
     """Three seeds as one vmapped model against each seed trained alone by train.Step, 12 steps: every

@@ -1,11 +1,13 @@
 """Does a run's training loss stay down once it got there? For each run folder: the step where the
-loss first fell below 0.01, the highest loss after that step (and where), the largest attention
+loss first fell below 0.01, the highest loss after that step (and where); the step from which it
+first stayed below 0.01 for --window steps (the end of the learning phase, where a single low batch
+does not count) and the highest loss after that; the largest attention
 logit at the first and last checkpoints, the in-distribution exact match (s = 1 rows) where the run
 has finished, from metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every
 loss). With --every N, also each N-step interval's highest loss and largest logit, the timeline
 of a run that leaves zero loss.
 
-    python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000]
+    python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000] [--window 1000]
 
 Run it from the repository root. Results: docs/perf/vipe.md ("Long runs").
 """
@@ -19,7 +21,20 @@ from pathlib import Path
 import torch
 
 
-def summary(run: Path, every: int = 0) -> dict:
+def settled(losses, window: int):
+    """The first step from which every loss of the next `window` steps is below 0.01, or None."""
+    start = None
+    for s, v in losses:
+        if v >= 0.01:
+            start = None
+        elif start is None:
+            start = s
+        if start is not None and s - start + 1 >= window:
+            return start
+    return None
+
+
+def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
     if (run / "metrics.json").exists():
         m = json.loads((run / "metrics.json").read_text())
         losses, logits, done = m.get("loss_peak") or m["loss"], m.get("logit_max", []), True
@@ -32,8 +47,12 @@ def summary(run: Path, every: int = 0) -> dict:
     first = next((s for s, v in losses if v < 0.01), None)
     after = [(v, s) for s, v in losses if first is not None and s > first]
     peak, at = max(after) if after else (None, None)
+    calm = settled(losses, window)
+    late = [(v, s) for s, v in losses if calm is not None and s >= calm]
+    late_peak, late_at = max(late) if late else (None, None)
     row = {"run": str(run), "finished": done, "steps": losses[-1][0] if losses else 0,
            "first_below_0.01": first, "max_loss_after": peak, "at_step": at,
+           f"below_0.01_for_{window}": calm, "max_loss_after_that": late_peak, "at_step_after_that": late_at,
            "logit_max_first": max(logits[0][1]) if logits else None,
            "logit_max_last": max(logits[-1][1]) if logits else None, "in_dist_exact": in_dist}
     if every:
@@ -58,8 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--json", help="also write the summaries here")
     p.add_argument("--every", type=int, default=0, help="also the highest loss and largest logit of every N steps")
+    p.add_argument("--window", type=int, default=1000, help="steps the loss must stay below 0.01 to count as settled")
     a = p.parse_args(argv)
-    rows = [summary(r, a.every) for r in a.runs]
+    rows = [summary(r, a.every, a.window) for r in a.runs]
     for r in rows:
         print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                          if k != "intervals"))

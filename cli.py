@@ -12,7 +12,7 @@ options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print th
 runs configs one after another or `--jobs` at once in their own processes; `reproduce` runs the
 headline experiments of experiments.py and writes their tables and figures.
 
-(A file of its own so that train.py keeps the loop, evaluation, checkpoints and the
+(A file of its own so that train.py keeps the loop, checkpoints and the
 method registry, and stays short enough to read in one sitting.)
 """
 from __future__ import annotations
@@ -44,10 +44,10 @@ import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
+from evaluation import summary_line
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
-from train import (CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, save_atomic,
-                   summary_line, train)
+from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, save_atomic, train
 
 
 class UsageError(Exception):

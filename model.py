@@ -310,8 +310,20 @@ class Method:
     param_groups: Callable | None = None   # optional fn(model, base_lr) -> extra optimiser groups
     causal_only: bool = False      # the layer cannot run as a bidirectional encoder
     options: dict = field(default_factory=dict)   # cfg.opts keys the method reads (--method-opt) -> Opt
-    final_eval: Callable | None = None   # optional fn(train.Final) -> (rows, extra metrics): the method's
+    final_eval: Callable | None = None   # optional fn(Final) -> (rows, extra metrics): the method's
                                          # own evaluation after training (ViPE: its rules for s)
+
+
+@dataclass
+class Final:
+    """What a method's own evaluation after training (Method.final_eval), built by train.train may use: its options, the
+    lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
+    opts: dict
+    train_max: int
+    test_lengths: list
+    log: Callable
+    evaluate: Callable
+    finetune: Callable
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:
@@ -378,3 +390,9 @@ def batch_context(task, batch, device, s: float = 1.0) -> dict:
     return ctx
 
 
+def autocast(device, precision: str = "bf16"):
+    """bf16 autocast on CUDA (without the weight-cast cache, which a CUDA graph cannot hold) unless
+    precision is "fp32"; off on the CPU."""
+    on = str(device).startswith("cuda") and precision == "bf16"
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if on \
+        else torch.autocast(str(device).split(":")[0], enabled=False)

@@ -1,13 +1,14 @@
-"""One run: the method registry, the training config, the optimiser step (CUDA graphs on a GPU),
-the loop with its checkpoints, and evaluation. The command line and its checks are in cli.py.
+"""One run: the method registry, the training config, the optimiser step (CUDA graphs on a GPU)
+and the loop with its checkpoints. Evaluation is in evaluation.py, the command line and its checks
+in cli.py.
 
     python train.py --method rope --task flipflop
     import cli, train; metrics = train.train(cli.make_config(dict(task="copy", method="rope"), "cpu"))
 
 `train` trains the shared Transformer of model.py on data generated on the fly (tasks.py), then
-evaluates exact match and token accuracy at every test length in one teacher-forced pass per batch
-(for a causal model this equals greedy decoding; tests/test_train.py checks it), and writes
-runs/<task>/<method>/seed<S>/{metrics.json, model.pt}. Shapes: B batch, T time, V vocabulary.
+evaluates exact match and token accuracy at every test length (evaluation.evaluate, or the method's
+own final_eval), and writes runs/<task>/<method>/seed<S>/{metrics.json, model.pt}.
+Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -37,8 +37,10 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from model import SinusoidalAPE, Method, Model, ModelConfig, baseline, batch_context, largest_logits
-from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, collate
+from evaluation import evaluate, summary_line
+from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
+                   largest_logits)
+from tasks import IGNORE, TASKS, Batch, Task, TrainBatches
 
 # Every position encoding by name: one line each. A new encoding is a Method in its own file
 # (see examples/relative_bias.py) and one line here.
@@ -63,98 +65,6 @@ METHODS: dict[str, Method] = {
 def build_model(cfg: ModelConfig) -> Model:
     """The model of a config, with the encoding named by cfg.method."""
     return Model(cfg, METHODS[cfg.method])
-
-
-# =============================================================================================
-# Evaluation
-# =============================================================================================
-
-def score(logits, y):
-    """Per sequence: exact match (every supervised position right), right and supervised tokens, (B,) each."""
-    sup = y != IGNORE
-    right = (logits.argmax(-1) == y) & sup
-    return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1)
-
-
-@torch.no_grad()
-def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
-             batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15,
-             precision: str = "bf16") -> list[dict]:
-    """Exact-match and token accuracy at every test length (and every task variant). Uses its
-    own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
-    so evaluating never changes the training data stream. A task with a finite test set (SCAN)
-    gives every example of a length once instead (the row's n is then their number). Examples of
-    several lengths share one forward pass, right-padded (exact, as in `Step`), up to
-    tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
-    tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
-    memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
-    a function of the length (ViPE's rules); each row records its s."""
-    model.eval()
-    rng = np.random.default_rng([seed, stream])
-    every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
-    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x),
-             "s": float(s(L) if callable(s) else s)} for L in lengths for vname in (task.variants or {None: {}})]
-    counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
-
-    def pieces():                                          # (row, s, batch), in the order drawn
-        for k, r in enumerate(rows):
-            opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
-            for start in range(0, r["n"], batch_size):
-                if every[r["length"]] is None:
-                    yield k, r["s"], task.sample(min(batch_size, n - start), r["length"], rng, **opts)
-                else:
-                    yield k, r["s"], every[r["length"]].take(start, start + batch_size)
-
-    def scores(group):                                     # (examples, 3): exact, right tokens, supervised
-        batch = collate([b for _, _, b in group], task.pad_id)
-        with autocast(device, precision):
-            logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
-        return torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()
-
-    def run(group):
-        try:
-            per_seq = scores(group)
-        except torch.OutOfMemoryError:                     # the same examples in two passes instead
-            if sum(len(b.x) for _, _, b in group) == 1:
-                raise
-            per_seq = None
-        if per_seq is None:
-            torch.cuda.empty_cache()
-            if len(group) == 1:
-                (k, s, b), half = group[0], len(group[0][2].x) // 2
-                group = [(k, s, b.take(0, half)), (k, s, b.take(half, None))]
-            for part in (group[:len(group) // 2], group[len(group) // 2:]):
-                run(part)
-            return
-        first = 0
-        for k, _, b in group:
-            counts[k] += per_seq[first:first + len(b.x)].sum(0)
-            first += len(b.x)
-
-    group = []
-    for piece in pieces():
-        size = sum(len(b.x) for _, _, b in group) + len(piece[2].x)
-        width = max([b.x.shape[1] for _, _, b in group] + [piece[2].x.shape[1]])
-        if group and (piece[1] != group[0][1] or size * width > tokens_per_batch):
-            run(group)
-            group = []
-        group.append(piece)
-    if group:
-        run(group)
-    for r, (exact, right, sup) in zip(rows, counts):
-        r.update(exact=exact / r["n"], token=right / max(sup, 1))
-    model.train()
-    if str(device).startswith("cuda"):
-        torch.cuda.empty_cache()                           # back to the runs that share the GPU
-    return rows
-
-
-def autocast(device, precision: str = "bf16"):
-    """bf16 autocast on CUDA (without the weight-cast cache, which a CUDA graph cannot hold) unless
-    precision is "fp32"; off on the CPU."""
-    on = str(device).startswith("cuda") and precision == "bf16"
-    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False) if on \
-        else torch.autocast(str(device).split(":")[0], enabled=False)
 
 
 # =============================================================================================
@@ -558,18 +468,6 @@ def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: i
     return stream.loader(start, end, cfg.workers)
 
 
-@dataclass
-class Final:
-    """What a method's own evaluation after training (Method.final_eval) may use: its options, the
-    lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
-    opts: dict
-    train_max: int
-    test_lengths: list
-    log: Callable
-    evaluate: Callable
-    finetune: Callable
-
-
 def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s: float):
     """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in
     every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7)."""
@@ -589,19 +487,3 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
 
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
-
-
-# =============================================================================================
-# Reporting one run
-# =============================================================================================
-
-def summary_line(rows, train_max) -> str:
-    ind = [r for r in rows if r["length"] <= train_max]
-    ood = [r for r in rows if r["length"] > train_max]
-
-    def part(rs):   # exact match over examples, as the tables count it (SCAN's lengths differ in size)
-        return f"{np.average([r['exact'] for r in rs], weights=[r.get('n') or 1 for r in rs]):.3f}" if rs else "-"
-
-    if rows and rows[0]["variant"]:
-        return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
-    return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"

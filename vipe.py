@@ -161,7 +161,7 @@ def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
 
 
 def final_evaluation(run) -> tuple[list[dict], dict]:
-    """ViPE after training (Method.final_eval; `run` is a train.Final). Its rows: the training
+    """ViPE after training (Method.final_eval; `run` is a model.Final). Its rows: the training
     lengths at s = 1, the model as trained (the paper's bar: in-distribution accuracy), and the
     longer lengths under the rule `vipe_s` (default "fixed": after `vipe_finetune` steps trained with
     s = L_test_max / L_train_max). Beside them, under "eval_ablations", every other rule at every

@@ -67,6 +67,17 @@ def test_the_graph_sees_the_imports():
     assert "model" in GRAPH["vipe"] and "bench" in MODULES
 
 
+# SPEC section 2's top-level files, and evaluation.py (its docstring says why it is not part of train.py)
+LAYOUT = {"tasks", "model", "train", "evaluation", "cli", "experiments", "prism", "path_attention", "vipe", "upe",
+          "bench"}
+
+
+def test_top_level_files_are_the_layouts_and_train_py_reads_in_one_sitting():
+    assert {name for name in MODULES if "." not in name} == LAYOUT
+    lines = len((ROOT / "train.py").read_text().splitlines())
+    assert lines <= 500, f"train.py has {lines} lines (the layout asks at most 500)"
+    assert "evaluation" in GRAPH["train"] and not GRAPH["evaluation"] & {"train", "cli", "experiments"}
+
 def test_python_train_py_runs_its_body_once():
     """`python train.py` hands over to cli.py before its body runs: the registry is built once
     (model.baseline is called for each of the six baselines once, not twice)."""

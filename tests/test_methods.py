@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import cli
 import train
-from model import Method, Model, ModelConfig, largest_logits
+from model import Method, Model, ModelConfig, autocast, largest_logits
 from tasks import IGNORE, TASKS, TrainBatches, sample_mixed
 
 METHODS = list(train.METHODS)
@@ -78,7 +78,7 @@ def learn_copy(method: str | Method, causal, device="cpu"):
     losses = []
     for _ in range(100):
         batch = sample_mixed(task, 32, [1, 2, 3], rng)
-        with train.autocast(device):
+        with autocast(device):
             logits = model(batch.x.to(device))
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch.y.to(device).flatten(), ignore_index=IGNORE)
         opt.zero_grad()

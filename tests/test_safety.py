@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cli
+import evaluation
 import experiments
 import train
 from cli import main, make_config, numeric_checks, parse_list, validate
@@ -390,7 +391,7 @@ def test_evaluate_against_a_hand_count():
             return torch.nn.functional.one_hot(pick, V).float()
 
     lengths, n, bs = [3, 5], 40, 16
-    rows = train.evaluate(Oracle(), task, lengths, n, seed=7, device="cpu", batch_size=bs)
+    rows = evaluation.evaluate(Oracle(), task, lengths, n, seed=7, device="cpu", batch_size=bs)
     rng = np.random.default_rng([7, 1])                 # evaluate's own stream: the same examples, in order
     for row, L in zip(rows, lengths):
         exact = right = sup = 0

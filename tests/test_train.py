@@ -16,7 +16,8 @@ import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, largest_logits, rotary
 from cli import main, make_config
-from train import TrainConfig, build_model, evaluate, score, summary_line
+from evaluation import evaluate, score, summary_line
+from train import TrainConfig, build_model
 
 
 def tiny_config(tmp_path, **kw):

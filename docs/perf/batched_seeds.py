@@ -37,6 +37,7 @@ import prism               # noqa: E402
 import train               # noqa: E402
 import upe                 # noqa: E402
 import vipe                # noqa: E402
+from model import autocast  # noqa: E402
 from tasks import IGNORE, TASKS, collate  # noqa: E402
 
 
@@ -59,7 +60,7 @@ class BatchedStep(train.Step):
         x, y = x.view(self.G, -1, x.shape[-1]), y.view(self.G, -1, y.shape[-1])       # (G, B, T)
         # SDPA without its memory-efficient backend, whose backward rejects the strides that vmap gives
         # ViPE's inputs ("LSE is not correctly aligned"): flash attention where it applies, else the math path
-        with train.autocast(self.device, self.cfg.precision), sdpa_kernel([SDPBackend.FLASH_ATTENTION,
+        with autocast(self.device, self.cfg.precision), sdpa_kernel([SDPBackend.FLASH_ATTENTION,
                                                                            SDPBackend.MATH]):
             losses = vmap(self.loss, in_dims=(0, 0, 0, 0, None), randomness="different")(
                 self.params, self.module_buffers, x, y, ctx)                                    # (G,)

@@ -1,6 +1,6 @@
 """Where does a trained chain-of-thought model (mul_cot, add_cot) go wrong beyond its training length?
 
-Teacher-forced, like `train.evaluate`: for each wrong example, the first wrong position, the
+Teacher-forced, like `evaluation.evaluate`: for each wrong example, the first wrong position, the
 token expected and the token predicted, and where that position sits in the chain of thought.
 mul_cot: which '+'-joined term, and how many `(e→0)` groups of that term come before it (a term
 copies the later digits of b one group at a time, so the first term of a 10-digit b has 9 groups
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, ".")
 import train  # noqa: E402
-from model import ModelConfig, batch_context  # noqa: E402
+from model import ModelConfig, autocast, batch_context  # noqa: E402
 from tasks import IGNORE, TASKS  # noqa: E402
 
 run, lengths, n = Path(sys.argv[1]), [int(a) for a in sys.argv[2].split(",")], int(sys.argv[3])
@@ -53,7 +53,7 @@ def position(task_name: str, out: list[str]):
 
 for L in lengths:
     b = task.sample(n, L, rng)
-    with torch.no_grad(), train.autocast(device):
+    with torch.no_grad(), autocast(device):
         pred = model(b.x.to(device), batch_context(task, b, device, 1.0)).float().argmax(-1).cpu()   # (n, T)
     wrong = (pred != b.y) & (b.y != IGNORE)                                                         # (n, T)
     kinds, where, per_example = collections.Counter(), collections.Counter(), collections.Counter()

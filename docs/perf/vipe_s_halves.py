@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cli    # noqa: E402
+import evaluation  # noqa: E402
 import train  # noqa: E402
 from tasks import TASKS  # noqa: E402
 from vipe import ViPEAttention  # noqa: E402
@@ -55,7 +56,7 @@ def undo(model, s: float, distances: bool, logits: bool):
 
 def exact(model, task, cfg, lengths, s: float) -> dict:
     """Exact match per length with every layer at s (the "fixed" rule with test_max = 16 s)."""
-    rows = train.evaluate(model, task, lengths, N, 0, "cpu", cfg.task_opts, s=lambda L: s if L > TRAIN_MAX else 1.0)
+    rows = evaluation.evaluate(model, task, lengths, N, 0, "cpu", cfg.task_opts, s=lambda L: s if L > TRAIN_MAX else 1.0)
     return {r["length"]: r["exact"] for r in rows}
 
 

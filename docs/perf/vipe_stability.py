@@ -32,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, ".")
 import cli    # noqa: E402
 import train  # noqa: E402
-from model import batch_context, largest_logits  # noqa: E402
+import evaluation  # noqa: E402
+from model import autocast, batch_context, largest_logits  # noqa: E402
 from tasks import IGNORE, TASKS  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def adam_stats(opt, eps: float) -> dict:
 
 def grad_norm(model, task, probe, device, precision) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
-    with train.autocast(device, precision):
+    with autocast(device, precision):
         logits = model(probe.x.to(device), batch_context(task, probe, device))
     loss = F.cross_entropy(logits.float().flatten(0, 1), probe.y.to(device).flatten(), ignore_index=IGNORE)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
                 continue
             losses = torch.stack(pending).float()
             pending.clear()
-            with train.autocast(device, cfg.precision):
+            with autocast(device, cfg.precision):
                 logits = largest_logits(model, probe.x.to(device), batch_context(task, probe, device))
             with torch.no_grad():
                 norm = float(torch.sqrt(sum((q.float() ** 2).sum() for q in model.parameters())))
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
                    "param_norm": norm,
                    "u_norm": [float(x.norm()) for x in u]}
             if step % a.eval_every == 0 or step == cfg.steps:
-                rows = train.evaluate(model, task, list(range(1, 25)), 64, cfg.seed, device, cfg.task_opts,
+                rows = evaluation.evaluate(model, task, list(range(1, 25)), 64, cfg.seed, device, cfg.task_opts,
                                       precision=cfg.precision)
                 rec["exact_1_16"] = float(np.mean([r["exact"] for r in rows if r["length"] <= 16]))
                 rec["exact_17_24"] = float(np.mean([r["exact"] for r in rows if r["length"] > 16]))

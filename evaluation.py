@@ -1,0 +1,115 @@
+"""Evaluation: exact match and token accuracy of a trained model at every test length of a task.
+
+    from evaluation import evaluate, summary_line
+    rows = evaluate(model, tasks.TASKS["copy"], [8, 16, 32], n=256, seed=0, device="cpu")
+    print(summary_line(rows, train_max=16))   # exact in-dist 1.000 | beyond train length 0.412
+
+Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token"}.
+One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py
+checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
+experiments.py and cli.py read its rows from each run's metrics.json.
+
+A file beside train.py rather than a section of it (SPEC section 2 lists evaluation under train.py): the
+loop, its optimiser step and its checkpoints fill train.py's 500 lines, and evaluation needs none of
+them, only a model, a task and model.batch_context.
+Shapes: B batch, T time, V vocabulary.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model import autocast, batch_context
+from tasks import IGNORE, Task, collate
+
+
+def score(logits, y):
+    """Per sequence: exact match (every supervised position right), right and supervised tokens, (B,) each."""
+    sup = y != IGNORE
+    right = (logits.argmax(-1) == y) & sup
+    return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1)
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
+             batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15,
+             precision: str = "bf16") -> list[dict]:
+    """Exact-match and token accuracy at every test length (and every task variant). Uses its
+    own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
+    so evaluating never changes the training data stream. A task with a finite test set (SCAN)
+    gives every example of a length once instead (the row's n is then their number). Examples of
+    several lengths share one forward pass, right-padded (exact, as in `Step`), up to
+    tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
+    tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
+    memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
+    a function of the length (ViPE's rules); each row records its s."""
+    model.eval()
+    rng = np.random.default_rng([seed, stream])
+    every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
+    rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x),
+             "s": float(s(L) if callable(s) else s)} for L in lengths for vname in (task.variants or {None: {}})]
+    counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
+
+    def pieces():                                          # (row, s, batch), in the order drawn
+        for k, r in enumerate(rows):
+            opts = {**(task_opts or {}), **task.variants.get(r["variant"], {})}
+            for start in range(0, r["n"], batch_size):
+                if every[r["length"]] is None:
+                    yield k, r["s"], task.sample(min(batch_size, n - start), r["length"], rng, **opts)
+                else:
+                    yield k, r["s"], every[r["length"]].take(start, start + batch_size)
+
+    def scores(group):                                     # (examples, 3): exact, right tokens, supervised
+        batch = collate([b for _, _, b in group], task.pad_id)
+        with autocast(device, precision):
+            logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
+        return torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()
+
+    def run(group):
+        try:
+            per_seq = scores(group)
+        except torch.OutOfMemoryError:                     # the same examples in two passes instead
+            if sum(len(b.x) for _, _, b in group) == 1:
+                raise
+            per_seq = None
+        if per_seq is None:
+            torch.cuda.empty_cache()
+            if len(group) == 1:
+                (k, s, b), half = group[0], len(group[0][2].x) // 2
+                group = [(k, s, b.take(0, half)), (k, s, b.take(half, None))]
+            for part in (group[:len(group) // 2], group[len(group) // 2:]):
+                run(part)
+            return
+        first = 0
+        for k, _, b in group:
+            counts[k] += per_seq[first:first + len(b.x)].sum(0)
+            first += len(b.x)
+
+    group = []
+    for piece in pieces():
+        size = sum(len(b.x) for _, _, b in group) + len(piece[2].x)
+        width = max([b.x.shape[1] for _, _, b in group] + [piece[2].x.shape[1]])
+        if group and (piece[1] != group[0][1] or size * width > tokens_per_batch):
+            run(group)
+            group = []
+        group.append(piece)
+    if group:
+        run(group)
+    for r, (exact, right, sup) in zip(rows, counts):
+        r.update(exact=exact / r["n"], token=right / max(sup, 1))
+    model.train()
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()                           # back to the runs that share the GPU
+    return rows
+
+
+def summary_line(rows, train_max) -> str:
+    ind = [r for r in rows if r["length"] <= train_max]
+    ood = [r for r in rows if r["length"] > train_max]
+
+    def part(rs):   # exact match over examples, as the tables count it (SCAN's lengths differ in size)
+        return f"{np.average([r['exact'] for r in rs], weights=[r.get('n') or 1 for r in rs]):.3f}" if rs else "-"
+
+    if rows and rows[0]["variant"]:
+        return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
+    return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"

@@ -9,9 +9,9 @@ One teacher-forced pass per batch; for a causal model this equals greedy decodin
 checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
 experiments.py and cli.py read its rows from each run's metrics.json.
 
-A file beside train.py rather than a section of it (SPEC section 2 lists evaluation under train.py): the
-loop, its optimiser step and its checkpoints fill train.py's 500 lines, and evaluation needs none of
-them, only a model, a task and model.batch_context.
+A file beside train.py rather than a section of it: the loop, its optimiser step and its checkpoints
+fill the 500 lines that train.py may have, and evaluation needs none of them, only a model, a task
+and model.batch_context.
 Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations

@@ -67,7 +67,7 @@ def test_the_graph_sees_the_imports():
     assert "model" in GRAPH["vipe"] and "bench" in MODULES
 
 
-# SPEC section 2's top-level files, and evaluation.py (its docstring says why it is not part of train.py)
+# The top-level files of README's Layout (evaluation.py's docstring says why it is not part of train.py)
 LAYOUT = {"tasks", "model", "train", "evaluation", "cli", "experiments", "prism", "path_attention", "vipe", "upe",
           "bench"}
 

@@ -157,6 +157,24 @@ def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     assert "to step       3" in out
 
 
+def test_loss_jumps_reads_its_own_json_back_and_draws_it(tmp_path):
+    """A JSON file that --json wrote gives the same rows again (the plot's inputs), and --plot draws them;
+    --plot without intervals and --names of the wrong count are one-line errors."""
+    run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3])
+    script("loss_jumps.py", run, "--json", tmp_path / "a.json", "--every", 2)
+    script("loss_jumps.py", tmp_path / "a.json", run, "--every", 2, "--json", tmp_path / "b.json",
+           "--names", "first,second", "--plot", tmp_path / "p.png")
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert b == a + a and (tmp_path / "p.png").stat().st_size > 1000
+    for args, want in (((run, "--plot", tmp_path / "q.png"), "needs every run's intervals"),
+                       ((run, "--every", 2, "--names", "x,y", "--plot", tmp_path / "q.png"), "2 names for 1")):
+        done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "loss_jumps.py"), *map(str, args)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 2 and want in done.stderr, done.stderr
+    assert not (tmp_path / "q.png").exists()
+
+
 def test_loss_jumps_settled_needs_a_whole_window_below_the_threshold():
     """A single low batch in the learning phase does not count as settled; the highest loss is read
     from the settled step on, so a dip before it is not a jump after it."""

@@ -8,6 +8,10 @@ loss). With --every N, also each N-step interval's highest loss and largest logi
 of a run that leaves zero loss.
 
     python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000] [--window 1000]
+    python docs/perf/loss_jumps.py A.json B.json --plot docs/vipe_long_runs.png   # earlier --json outputs, drawn
+
+With --plot, each run's intervals (from --every, or from a JSON file written with it) as two panels:
+the highest loss of each interval (log scale) and the largest attention logit.
 
 Run it from the repository root. Results: docs/perf/vipe.md ("Long runs").
 """
@@ -72,22 +76,58 @@ def intervals(losses, logits, every: int) -> list:
     return out
 
 
+def plot(rows, path: Path):
+    """Two panels over the training steps: each interval's highest loss, and its largest logit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for r in rows:
+        steps = [end for end, _, _ in r["intervals"]]
+        top.plot(steps, [loss for _, loss, _ in r["intervals"]], marker=".", label=r["label"])
+        bottom.plot(steps, [logit for _, _, logit in r["intervals"]], marker=".", label=r["label"])
+    top.set(yscale="log", ylabel="highest training loss of the interval")
+    bottom.set(xlabel="step", ylabel="largest attention logit", yscale="log")
+    top.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def read(run: Path, every: int, window: int, name: str | None = None) -> list[dict]:
+    """The rows of a run folder (one), or of a JSON file that --json wrote, each labelled for the plot:
+    `name` (else the file's folder and name, since two files may hold runs of one folder) and its run's."""
+    if run.suffix == ".json":
+        rows = json.loads(run.read_text())
+        return [{**r, "label": f"{name or run.parent.name + '/' + run.stem}: {Path(r['run']).name}"} for r in rows]
+    return [{**summary(run, every, window), "label": f"{name}: {run.name}" if name else str(run)}]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("runs", nargs="+", type=Path, help="run folders, or JSON files that --json wrote")
     p.add_argument("--json", help="also write the summaries here")
     p.add_argument("--every", type=int, default=0, help="also the highest loss and largest logit of every N steps")
     p.add_argument("--window", type=int, default=1000, help="steps the loss must stay below 0.01 to count as settled")
+    p.add_argument("--plot", type=Path, help="draw every run's intervals here (a .png)")
+    p.add_argument("--names", help="comma-separated, one per run folder or JSON file: their labels in the plot")
     a = p.parse_args(argv)
-    rows = [summary(r, a.every, a.window) for r in a.runs]
+    names = a.names.split(",") if a.names else [None] * len(a.runs)
+    if len(names) != len(a.runs):
+        p.error(f"--names has {len(names)} names for {len(a.runs)} inputs")
+    rows = [row for run, name in zip(a.runs, names) for row in read(run, a.every, a.window, name)]
+    if a.plot and not all(r.get("intervals") for r in rows):
+        p.error("--plot needs every run's intervals: give --every N, or JSON files written with it")
     for r in rows:
         print(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                         if k != "intervals"))
+                         if k not in ("intervals", "label")))
         for end, loss, logit in r.get("intervals", []):
             print(f"  to step {end:>7}: highest loss " + ("-" if loss is None else f"{loss:.2g}") + ", largest logit " +
                   ("-" if logit is None else f"{logit:.4g}"))
     if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
+        Path(a.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "label"} for r in rows], indent=1))
+    if a.plot:
+        plot(rows, a.plot)
     return 0
 
 

@@ -494,7 +494,8 @@ def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda
     """Shut down a pool whose runs have all ended, waiting at most `wait` seconds for its processes
     to exit. Every run's outcome is in by then (a stopped run has written its checkpoint), so a job
     process that has not exited (a thread or a child it left behind, its GPU context at exit) is
-    killed, with one line that says so, instead of holding the command until its time limit."""
+    killed with its child processes, with one line that says so and one per process on what it was
+    doing, instead of holding the command until its time limit."""
     processes = list((pool._processes or {}).values())   # the pool's processes (no public accessor)
     pool.shutdown(wait=False)                              # its own thread joins them from now on, so
     running = {process.sentinel: process for process in processes}   # watch their sentinels (ready once
@@ -503,13 +504,52 @@ def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda
         for sentinel in multiprocessing.connection.wait(list(running), max(0.0, deadline - time.time())):
             running.pop(sentinel)
     stuck = list(running.values())
+    states = [process_state(process.pid) for process in stuck]     # read before anything is killed
     for process in stuck:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGKILL)
+        for pid in child_pids(process.pid) + [process.pid]:          # a data worker outlives its job
+            with contextlib.suppress(ProcessLookupError):              # process otherwise
+                os.kill(pid, signal.SIGKILL)
     if stuck:
         multiprocessing.connection.wait([process.sentinel for process in stuck], 10.0)
         log(f"  killed {len(stuck)} job process{'es' if len(stuck) > 1 else ''} (pid "
             f"{', '.join(str(x.pid) for x in stuck)}) still there {wait:g} s after the runs ended")
+        for process, state in zip(stuck, states):
+            if state:
+                log(f"    pid {process.pid} was {state}")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is pid, from Linux's /proc (none where there is no /proc)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:   # fields after "(name) ": state, ppid
+                found.append(int(entry.name))
+    return found
+
+
+def process_state(pid: int) -> str:
+    """What a process is doing, as /proc says: its state letter (R running, S sleeping, D in I/O, Z ended)
+    and the kernel function it waits in, and the same for each of its child processes; "" without /proc.
+    A process waiting for its children reads, for example, "S in do_wait; children: 812 S in futex_wait"."""
+    def one(p: int) -> str:
+        stat = Path(f"/proc/{p}/stat").read_text()
+        letter = stat[stat.rindex(")") + 2:].split()[0]
+        with contextlib.suppress(OSError):
+            where = Path(f"/proc/{p}/wchan").read_text().strip()
+            if where not in ("", "0"):
+                return f"{letter} in {where}"
+        return letter
+    try:
+        own = one(pid)
+    except (OSError, ValueError, IndexError):
+        return ""
+    children = []
+    for child in child_pids(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.append(f"{child} {one(child)}")
+    return own + (f"; children: {', '.join(children)}" if children else "; no child processes")
 
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -627,6 +667,7 @@ def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False
               + (f", CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
                  if os.environ.get("CUDA_VISIBLE_DEVICES") is not None else "")
               + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
+        before = set(multiprocessing.active_children())
         try:
             metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
         except Interrupted as e:
@@ -637,7 +678,23 @@ def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False
         except Exception:
             print(traceback.format_exc(), file=f, flush=True)
             raise
+        finally:
+            end_children(before, log=lambda line: print(line, file=f, flush=True))
     return summary_line(metrics["eval"], metrics["train_max_length"])
+
+
+def end_children(before: set, log=print):
+    """Kill the processes that a run started in this process and left behind once it has ended (a data
+    worker that did not exit when its loader closed): they ignore SIGTERM, and at its own exit a process
+    sends its children SIGTERM and then waits for them, so the job process would never end."""
+    left = [p for p in multiprocessing.active_children() if p not in before]
+    for process in left:
+        process.kill()
+    for process in left:
+        process.join(5)
+    if left:
+        log(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that the run started and left behind "
+            f"(pid {', '.join(str(p.pid) for p in left)})")
 
 
 # =============================================================================================

@@ -516,12 +516,78 @@ def test_a_job_process_that_does_not_exit_is_killed_once_the_runs_have_ended():
     lines, t0 = [], time.time()
     cli.end_pool(pool, wait=2.0, log=lines.append)
     assert time.time() - t0 < 30 and not alive(stuck)
-    assert lines == [f"  killed 1 job process (pid {stuck}) still there 2 s after the runs ended"]
+    assert lines[0] == f"  killed 1 job process (pid {stuck}) still there 2 s after the runs ended"
+    assert lines[1:] == [] or lines[1].startswith(f"    pid {stuck} was ") and "no child processes" in lines[1]
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     pool.submit(os.getpid).result(timeout=120)                 # processes that exit: no line, no wait
-    t0 = time.time()
+    t0, before = time.time(), len(lines)
     cli.end_pool(pool, wait=60.0, log=lines.append)
-    assert time.time() - t0 < 30 and len(lines) == 1
+    assert time.time() - t0 < 30 and len(lines) == before
+
+
+def _ignore_sigterm_and_sleep(ready, seconds: float):
+    import signal
+    import time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    time.sleep(seconds)
+
+
+def _leave_a_child_that_ignores_sigterm(seconds: float) -> tuple[int, int]:
+    """A job that returns but leaves a forked daemon child that ignores SIGTERM, as the data workers
+    do: at exit its process sends such children SIGTERM and then waits for them, forever."""
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    child = fork.Process(target=_ignore_sigterm_and_sleep, args=(ready, seconds), daemon=True)
+    child.start()
+    assert ready.wait(60)
+    return os.getpid(), child.pid
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_job_process_waiting_for_its_child_is_killed_with_it_and_the_wait_is_named():
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    job, child = pool.submit(_leave_a_child_that_ignores_sigterm, 600).result(timeout=120)
+    assert cli.child_pids(job) == [child]
+    lines = []
+    cli.end_pool(pool, wait=3.0, log=lines.append)
+    time.sleep(0.5)
+    assert not alive(job) and not alive(child), lines
+    assert lines[0] == f"  killed 1 job process (pid {job}) still there 3 s after the runs ended"
+    assert lines[1].startswith(f"    pid {job} was ") and f"children: {child} S" in lines[1], lines
+
+
+def test_a_job_kills_the_processes_its_run_left_behind_and_says_so(tmp_path, monkeypatch):
+    """run_logged (a --jobs job) ends the processes that its run started and left running (a data
+    worker that ignores SIGTERM), and only those, with a line in the run's train.log."""
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    older = fork.Process(target=_ignore_sigterm_and_sleep, args=(ready, 600), daemon=True)
+    older.start()                                  # a child from before the run: left alone
+    assert ready.wait(60)
+    left = {}
+
+    def a_run_that_leaves_a_worker(cfg, resume=False, log=print, force=False):
+        ready.clear()
+        left["p"] = fork.Process(target=_ignore_sigterm_and_sleep, args=(ready, 600), daemon=True)
+        left["p"].start()
+        assert ready.wait(60)
+        return {"eval": [{"length": 1, "variant": None, "exact": 1.0, "n": 1}], "train_max_length": 1}
+    monkeypatch.setattr(cli, "run", a_run_that_leaves_a_worker)
+    cfg = cli.make_config({"task": "copy", "method": "rope", "out": str(tmp_path)}, "cpu")
+    try:
+        cli.run_logged(cfg)
+        assert not left["p"].is_alive() and older.is_alive()
+        log = (cfg.run_dir() / "train.log").read_text()
+        assert f"killed 1 process that the run started and left behind (pid {left['p'].pid})" in log
+    finally:
+        older.kill()
+        older.join(5)
 
 
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill-parent", "ctrl-c-group"])

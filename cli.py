@@ -505,9 +505,9 @@ def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda
             running.pop(sentinel)
     stuck = list(running.values())
     states = [process_state(process.pid) for process in stuck]     # read before anything is killed
-    for process in stuck:
-        for pid in child_pids(process.pid) + [process.pid]:          # a data worker outlives its job
-            with contextlib.suppress(ProcessLookupError):              # process otherwise
+    for process in stuck:                                          # its children first: a data worker
+        for pid in child_pids(process.pid) + [process.pid]:          # would outlive its job process
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     if stuck:
         multiprocessing.connection.wait([process.sentinel for process in stuck], 10.0)

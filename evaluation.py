@@ -2,7 +2,7 @@
 
     from evaluation import evaluate, summary_line
     rows = evaluate(model, tasks.TASKS["copy"], [8, 16, 32], n=256, seed=0, device="cpu")
-    print(summary_line(rows, train_max=16))   # exact in-dist 1.000 | beyond train length 0.412
+    print(summary_line(rows, train_max=16))   # "exact in-dist X | beyond train length Y"
 
 Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token"}.
 One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py

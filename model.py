@@ -316,8 +316,8 @@ class Method:
 
 @dataclass
 class Final:
-    """What a method's own evaluation after training (Method.final_eval), built by train.train may use: its options, the
-    lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
+    """What a method's own evaluation after training (Method.final_eval) may use, built by train.train:
+    its options, the lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
     opts: dict
     train_max: int
     test_lengths: list

@@ -78,6 +78,7 @@ def test_top_level_files_are_the_layouts_and_train_py_reads_in_one_sitting():
     assert lines <= 500, f"train.py has {lines} lines (the layout asks at most 500)"
     assert "evaluation" in GRAPH["train"] and not GRAPH["evaluation"] & {"train", "cli", "experiments"}
 
+
 def test_python_train_py_runs_its_body_once():
     """`python train.py` hands over to cli.py before its body runs: the registry is built once
     (model.baseline is called for each of the six baselines once, not twice)."""

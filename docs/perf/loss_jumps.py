@@ -1,11 +1,11 @@
 """Does a run's training loss stay down once it got there? For each run folder: the step where the
 loss first fell below 0.01, the highest loss after that step (and where); the step from which it
 first stayed below 0.01 for --window steps (the end of the learning phase, where a single low batch
-does not count) and the highest loss after that; the largest attention
-logit at the first and last checkpoints, the in-distribution exact match (s = 1 rows) where the run
-has finished, from metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every
-loss). With --every N, also each N-step interval's highest loss and largest logit, the timeline
-of a run that leaves zero loss.
+does not count) and the highest loss after that; the largest attention logit at the first and last
+checkpoints, the in-distribution exact match (s = 1 rows) where the run has finished; from
+metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every loss). With
+--every N, also each N-step interval's highest loss and largest logit, the timeline of a run that
+leaves zero loss.
 
     python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000] [--window 1000]
     python docs/perf/loss_jumps.py A.json B.json --plot docs/vipe_long_runs.png   # earlier --json outputs, drawn

@@ -38,7 +38,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
     gives every example of a length once instead (the row's n is then their number). Examples of
-    several lengths share one forward pass, right-padded (exact, as in `Step`), up to
+    several lengths share one forward pass, right-padded (exact, as in `train.Step`), up to
     tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
     tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
     memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or

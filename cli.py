@@ -686,12 +686,19 @@ def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False
 def end_children(before: set, log=print):
     """Kill the processes that a run started in this process and left behind once it has ended (a data
     worker that did not exit when its loader closed): they ignore SIGTERM, and at its own exit a process
-    sends its children SIGTERM and then waits for them, so the job process would never end."""
+    sends its children SIGTERM and then waits for them, so the job process would never end. While it
+    kills them, torch's SIGCHLD handler is off: for a worker of a loader still open it would raise
+    "DataLoader worker ... is killed" in place of the run's outcome (a finished or checkpointed run)."""
     left = [p for p in multiprocessing.active_children() if p not in before]
+    quiet = left and threading.current_thread() is threading.main_thread()
+    if quiet:
+        handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for process in left:
         process.kill()
     for process in left:
         process.join(5)
+    if quiet:
+        signal.signal(signal.SIGCHLD, handler)
     if left:
         log(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that the run started and left behind "
             f"(pid {', '.join(str(p.pid) for p in left)})")

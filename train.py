@@ -473,12 +473,15 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
     every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7)."""
     step = Step(model, fwd, opt, cfg, task, device, s=s)
     set_lr(opt, cfg.lr * cfg.min_lr_ratio)
-    losses = []
-    for k, batch in enumerate(batches(cfg, task, lengths, cfg.steps, cfg.steps + steps)):
-        if flag["stop"]:
-            raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from the "
-                              f"checkpoint at step {cfg.steps} and fine-tunes again")
-        losses.append(step(batch))
+    losses, stream = [], batches(cfg, task, lengths, cfg.steps, cfg.steps + steps)
+    try:
+        for batch in stream:
+            if flag["stop"]:
+                raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from "
+                                  f"the checkpoint at step {cfg.steps} and fine-tunes again")
+            losses.append(step(batch))
+    finally:
+        stream.close()                           # stops the data workers, however the loop ends
     last = torch.stack(losses).tolist()[-1] if losses else 0.0
     step.release()
     if not math.isfinite(last):

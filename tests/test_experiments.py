@@ -1,5 +1,6 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -588,6 +589,27 @@ def test_a_job_kills_the_processes_its_run_left_behind_and_says_so(tmp_path, mon
     finally:
         older.kill()
         older.join(5)
+
+
+def test_a_job_ends_the_data_workers_of_a_loader_its_run_left_open(tmp_path, monkeypatch):
+    """A run that returns with its data loader still open (its workers registered with torch, whose
+    SIGCHLD handler raises when one of them is killed): run_logged ends the workers and hands back
+    the run's own outcome, not torch's "DataLoader worker ... is killed" error."""
+    from tasks import TASKS, TrainBatches
+    kept = []
+
+    def a_run_that_keeps_its_loader(cfg, resume=False, log=print, force=False):
+        stream = TrainBatches(TASKS["parity"], [2, 3], 4, 0, 1000).loader(0, 1000, workers=2)
+        next(stream)
+        kept.append(stream)                            # still open: its workers still run
+        return {"eval": [{"length": 1, "variant": None, "exact": 1.0, "n": 1}], "train_max_length": 1}
+    monkeypatch.setattr(cli, "run", a_run_that_keeps_its_loader)
+    cfg = cli.make_config({"task": "copy", "method": "rope", "out": str(tmp_path)}, "cpu")
+    before = set(multiprocessing.active_children())
+    assert cli.run_logged(cfg).startswith("exact")
+    assert not [p for p in multiprocessing.active_children() if p not in before]
+    assert "killed 2 processes that the run started and left behind" in (cfg.run_dir() / "train.log").read_text()
+    kept.clear()
 
 
 @pytest.mark.parametrize("whole_group", [False, True], ids=["kill-parent", "ctrl-c-group"])

@@ -216,3 +216,26 @@ def test_prism_step_profile_times_and_profiles_a_step(tmp_path):
     got = json.loads(out.read_text())
     assert got["steps_per_s"] > 0 and 0 < got["eager_busy_ms"] and len(got["top"]) == 5
     assert got["top"][0][1] >= got["top"][-1][1] and "aten::" in text
+
+
+def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
+    """From a run's final checkpoint, the schedule fixed:N is the loop's own fine-tuning (vipe_finetune
+    = N) and test: the same token accuracy beyond the training length, and, for the checkpoint as
+    trained, the same as the loop's s = 1 ablation; a ramp ends elsewhere."""
+    run = tiny_run(tmp_path, task="parity", method="vipe", train_lengths=[16], test_lengths=[8, 16, 20, 48],
+                   opts={"vipe_finetune": 10}, n_eval=4, lr=0.05, warmup=1)    # 10 steps that change the test
+    metrics = json.loads((run / "metrics.json").read_text())
+    script("vipe_finetune.py", run / train.CKPT, "--schedules", "fixed:10,ramp:10", "--n", 4,
+           "--json", tmp_path / "f.json")
+    (r,) = json.loads((tmp_path / "f.json").read_text())
+    token = lambda rows, L: next(x["token"] for x in rows if x["length"] == L)      # noqa: E731
+    one = metrics["eval_ablations"]["s = 1, no fine-tuning"]
+    assert r["step"] == 3 and r["s"] == 3.0
+    assert r["as trained, s = 1"]["token"][0] == pytest.approx((token(one, 8) + token(one, 16)) / 2)
+    assert r["as trained, s = 1"]["token"][1] == pytest.approx(token(one, 20))
+    fixed, ramp = r["schedules"]
+    assert fixed["schedule"] == "fixed:10" and ramp["schedule"] == "ramp:10"
+    assert fixed["all at s"]["token"][1] != pytest.approx(r["as trained, s = 1"]["token"][1])   # it moved
+    assert fixed["all at s"]["token"][1] == pytest.approx(token(metrics["eval"], 20))
+    assert fixed["all at s"]["token"][3] == pytest.approx(token(metrics["eval"], 48))
+    assert ramp["loss_first"] != fixed["loss_first"]              # its first step runs at s = 1.2, not 3

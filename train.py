@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -468,17 +468,22 @@ def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: i
     return stream.loader(start, end, cfg.workers)
 
 
-def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s: float):
+def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s):
     """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in
-    every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7)."""
-    step = Step(model, fwd, opt, cfg, task, device, s=s)
+    every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7). `s`: a
+    number, or a function of the fine-tuning step k = 0, 1, ... whose steps then run eagerly (a CUDA
+    graph or a compiled model would keep the first s)."""
+    changing = callable(s)
+    step = Step(model, model if changing else fwd, opt, replace(cfg, graphs=False, compile=False) if changing
+                else cfg, task, device, s=1.0 if changing else s)
     set_lr(opt, cfg.lr * cfg.min_lr_ratio)
     losses, stream = [], batches(cfg, task, lengths, cfg.steps, cfg.steps + steps)
     try:
-        for batch in stream:
+        for k, batch in enumerate(stream):
             if flag["stop"]:
                 raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from "
                                   f"the checkpoint at step {cfg.steps} and fine-tunes again")
+            step.s = s(k) if changing else step.s
             losses.append(step(batch))
     finally:
         stream.close()                           # stops the data workers, however the loop ends

@@ -160,12 +160,17 @@ def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
     return {"fixed": max(1.0, test_max / train_max), "per_length": max(1.0, L / train_max), "one": 1.0}[rule]
 
 
+def ramp(s: float, steps: int):
+    """The fine-tuning's s at step k = 0 .. steps - 1 when it rises linearly from 1 to s (vipe_ramp)."""
+    return lambda k: 1.0 + (s - 1.0) * (k + 1) / steps
+
+
 def final_evaluation(run) -> tuple[list[dict], dict]:
     """ViPE after training (Method.final_eval; `run` is a model.Final). Its rows: the training
     lengths at s = 1, the model as trained (the paper's bar: in-distribution accuracy), and the
     longer lengths under the rule `vipe_s` (default "fixed": after `vipe_finetune` steps trained with
-    s = L_test_max / L_train_max). Beside them, under "eval_ablations", every other rule at every
-    length before any fine-tuning, each named by its s."""
+    s = L_test_max / L_train_max, or with s rising to it from 1 with `vipe_ramp`). Beside them, under
+    "eval_ablations", every other rule at every length before any fine-tuning, each named by its s."""
     rule, steps = run.opts.get("vipe_s", "fixed"), run.opts.get("vipe_finetune", 0)
     top, test_max = run.train_max, max(run.test_lengths)
     rules = {r: (lambda L, r=r: compression(r, L, top, test_max)) for r in S_RULES}
@@ -173,8 +178,9 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
     after = before.get(rule)
     if after is None:                                     # the rule beyond training: fine-tune, then test
         if steps:
-            run.finetune(steps, compression(rule, test_max, top, test_max))
-            run.log(f"  fine-tuned {steps} steps with s = {test_max} / {top}")
+            s, rising = compression(rule, test_max, top, test_max), run.opts.get("vipe_ramp", False)
+            run.finetune(steps, ramp(s, steps) if rising else s)
+            run.log(f"  fine-tuned {steps} steps with s = {test_max} / {top}" + (", ramped from 1" if rising else ""))
         after = run.evaluate([L for L in run.test_lengths if L > top], rules[rule])
     rows = [r for r in before["one"] if r["length"] <= top] + [r for r in after if r["length"] > top]
     ablations = {S_TEXT[r] + ", no fine-tuning": rows_ for r, rows_ in before.items() if r != rule}
@@ -234,4 +240,6 @@ VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,
                                           "(L_test_max / L_train_max), per_length (L / L_train_max) or one "
                                           "(default fixed)", choices=S_RULES),
                        "vipe_finetune": Opt(int, "with vipe_s=fixed: steps trained with that s before the "
-                                                 "test (default 0)", 0)})
+                                                 "test (default 0)", 0),
+                       "vipe_ramp": Opt(bool, "with vipe_finetune: s rises linearly from 1 to the fixed s over "
+                                              "those steps (default false: s fixed throughout)")})

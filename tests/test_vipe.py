@@ -208,6 +208,29 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
     assert (metrics["eval"][0]["exact"], metrics["eval"][0]["token"]) == (one["exact"], one["token"])
 
 
+def test_a_ramped_fine_tuning_passes_s_rising_from_1_to_the_fixed_s(tmp_path, monkeypatch):
+    """With vipe_ramp the fine-tuning's steps see s = 1 + 2 (k + 1) / 3 (k = 0, 1, 2), ending at the
+    fixed s = 3 that the test then uses, and the log says so."""
+    import cli
+    import train
+    seen = []
+    real = ViPEAttention.forward
+
+    def spy(self, x, ctx=None):
+        if self.training and model._probe is None:
+            seen.append(float((ctx or {}).get("s", 1.0)))
+        return real(self, x, ctx)
+    monkeypatch.setattr(ViPEAttention, "forward", spy)
+    run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=2,
+                               opts={"vipe_finetune": 3, "vipe_ramp": True}, d_model=16, n_heads=1, n_layers=1,
+                               batch_size=4, n_eval=2, train_lengths=[16], test_lengths=[48], out=str(tmp_path)), "cpu")
+    lines = []
+    metrics = train.train(run, log=lines.append)
+    assert seen == pytest.approx([1.0, 1.0, 5 / 3, 7 / 3, 3.0])
+    assert [(r["length"], r["s"]) for r in metrics["eval"]] == [(48, 3.0)]
+    assert "  fine-tuned 3 steps with s = 48 / 16, ramped from 1" in lines
+
+
 def test_layer_modes():
     assert ViPEAttention(cfg(vipe_mode="scale")).out.in_features == 2 * 15      # no code channels
     assert ViPEAttention(cfg(vipe_dp=4)).out.in_features == 2 * (15 + 4)

@@ -30,7 +30,7 @@ sys.path.insert(0, ".")
 import train  # noqa: E402
 from evaluation import evaluate  # noqa: E402
 from tasks import TASKS  # noqa: E402
-from vipe import compression  # noqa: E402
+from vipe import compression, ramp  # noqa: E402
 from vipe_margins import load  # noqa: E402   (docs/perf, this script's folder)
 
 BANDS = ((1, 16), (17, 24), (25, 32), (33, 48))
@@ -47,8 +47,8 @@ def bands(rows) -> dict:
 
 
 def s_at(schedule: str, k: int, steps: int, s_max: float) -> float:
-    """ctx["s"] at fine-tuning step k of `steps`."""
-    return s_max if schedule == "fixed" else 1.0 + (s_max - 1.0) * (k + 1) / steps
+    """ctx["s"] at fine-tuning step k of `steps` (the ramp: the loop's `--method-opt vipe_ramp=true`)."""
+    return s_max if schedule == "fixed" else ramp(s_max, steps)(k)
 
 
 def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> dict:
@@ -83,7 +83,8 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> di
             one.s = s_at(schedule, k, steps, s_max)
             losses.append(one(batch).item())
         row = {"schedule": f"{schedule}:{steps}", "loss_first": losses[0], "loss_last_20": sum(losses[-20:]) / 20,
-               "all at s": test(m, "all", split=True), "s per length": test(m, "per_length", split=True), "seconds": time.time() - t0}
+               "all at s": test(m, "all", split=True), "s per length": test(m, "per_length", split=True),
+               "seconds": time.time() - t0}
         log(f"  {row['schedule']}: loss {row['loss_first']:.3g} -> {row['loss_last_20']:.3g}, exact at s = {s_max:g} "
             + " / ".join(f"{v:.3f}" for v in row["all at s"]["exact"]) + f" ({time.time() - t0:.0f} s)")
         out["schedules"].append(row)

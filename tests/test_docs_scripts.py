@@ -239,6 +239,7 @@ def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
     assert fixed["all at s"]["token"][1] == pytest.approx(token(metrics["eval"], 20))
     assert fixed["all at s"]["token"][3] == pytest.approx(token(metrics["eval"], 48))
     assert ramp["loss_first"] != fixed["loss_first"]              # its first step runs at s = 1.2, not 3
+    assert ramp["loss_max"] >= max(ramp["loss_first"], ramp["loss_every_100"][0]) and 1 <= ramp["loss_max_at"] <= 10
     ramped = tiny_run(tmp_path / "ramped", task="parity", method="vipe", train_lengths=[16], n_eval=4, lr=0.05,
                       warmup=1, test_lengths=[8, 16, 20, 48], opts={"vipe_finetune": 10, "vipe_ramp": True})
     loop = json.loads((ramped / "metrics.json").read_text())["eval"]   # the same run, the loop's ramp

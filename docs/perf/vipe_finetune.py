@@ -82,10 +82,13 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> di
                                                 step, step + steps)):
             one.s = s_at(schedule, k, steps, s_max)
             losses.append(one(batch).item())
+        worst = max(range(steps), key=losses.__getitem__)
         row = {"schedule": f"{schedule}:{steps}", "loss_first": losses[0], "loss_last_20": sum(losses[-20:]) / 20,
+               "loss_max": losses[worst], "loss_max_at": worst + 1, "loss_every_100": losses[::100],
                "all at s": test(m, "all", split=True), "s per length": test(m, "per_length", split=True),
                "seconds": time.time() - t0}
-        log(f"  {row['schedule']}: loss {row['loss_first']:.3g} -> {row['loss_last_20']:.3g}, exact at s = {s_max:g} "
+        log(f"  {row['schedule']}: loss {row['loss_first']:.3g} -> {row['loss_last_20']:.3g} (highest "
+            f"{row['loss_max']:.3g} at step {row['loss_max_at']}), exact at s = {s_max:g} "
             + " / ".join(f"{v:.3f}" for v in row["all at s"]["exact"]) + f" ({time.time() - t0:.0f} s)")
         out["schedules"].append(row)
     return out

@@ -472,7 +472,7 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
     """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in
     every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7). `s`: a
     number, or a function of the fine-tuning step k = 0, 1, ... whose steps then run eagerly (a CUDA
-    graph or a compiled model would keep the first s)."""
+    graph or a compiled model would keep the first s). Returns the steps' losses."""
     changing = callable(s)
     step = Step(model, model if changing else fwd, opt, replace(cfg, graphs=False, compile=False) if changing
                 else cfg, task, device, s=1.0 if changing else s)
@@ -483,14 +483,16 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
             if flag["stop"]:
                 raise Interrupted(f"stopped by signal {flag['stop']} while fine-tuning: --resume continues from "
                                   f"the checkpoint at step {cfg.steps} and fine-tunes again")
-            step.s = s(k) if changing else step.s
+            if changing:
+                step.s = s(k)
             losses.append(step(batch))
     finally:
         stream.close()                           # stops the data workers, however the loop ends
-    last = torch.stack(losses).tolist()[-1] if losses else 0.0
+    losses = torch.stack(losses).tolist() if losses else []
     step.release()
-    if not math.isfinite(last):
-        raise NaNLoss(f"loss is {last} at the end of fine-tuning (the checkpoint at step {cfg.steps} is kept)")
+    if losses and not math.isfinite(losses[-1]):
+        raise NaNLoss(f"loss is {losses[-1]} at the end of fine-tuning (the checkpoint at step {cfg.steps} is kept)")
+    return losses
 
 
 def device_name(device: str) -> str:

@@ -1,6 +1,6 @@
 """Does ViPE's fine-tuning with the fixed s fit a fully trained model, and does a gentler schedule
 extrapolate? From a checkpoint (its weights and Adam's state), fine-tune on the CPU in float32 on the
-run's own next batches at the run's final learning rate, once per schedule:
+run's own next batches at the run's final learning rate (the loop's `train.finetune`), once per schedule:
 
     fixed:N   N steps at s = L_test_max / L_train_max (the paper's protocol; the loop's vipe_finetune)
     ramp:N    N steps with s rising linearly from 1 to that s
@@ -46,11 +46,6 @@ def bands(rows) -> dict:
     return out
 
 
-def s_at(schedule: str, k: int, steps: int, s_max: float) -> float:
-    """ctx["s"] at fine-tuning step k of `steps` (the ramp: the loop's `--method-opt vipe_ramp=true`)."""
-    return s_max if schedule == "fixed" else ramp(s_max, steps)(k)
-
-
 def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> dict:
     cfg, model, step = load(path)
     task = TASKS[cfg.task]
@@ -75,13 +70,9 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> di
         m = copy.deepcopy(model).train()
         opt = train.make_optimizer(m, cfg, "cpu")
         opt.load_state_dict(copy.deepcopy(opt_state))      # its tensors would be shared, and stepped, otherwise
-        train.set_lr(opt, cfg.lr * cfg.min_lr_ratio)
-        one = train.Step(m, m, opt, dataclasses.replace(cfg, graphs=False, compile=False), task, "cpu")
-        losses = []
-        for k, batch in enumerate(train.batches(cfg, task, cfg.train_lengths or task.train_lengths,
-                                                step, step + steps)):
-            one.s = s_at(schedule, k, steps, s_max)
-            losses.append(one(batch).item())
+        here = dataclasses.replace(cfg, steps=step, graphs=False, compile=False)   # data from the checkpoint on
+        losses = train.finetune(m, m, opt, here, task, cfg.train_lengths or task.train_lengths, "cpu", {"stop": None},
+                                steps, s_max if schedule == "fixed" else ramp(s_max, steps))  # the loop's vipe_ramp
         worst = max(range(steps), key=losses.__getitem__)
         row = {"schedule": f"{schedule}:{steps}", "loss_first": losses[0], "loss_last_20": sum(losses[-20:]) / 20,
                "loss_max": losses[worst], "loss_max_at": worst + 1, "loss_every_100": losses[::100],

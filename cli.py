@@ -633,9 +633,14 @@ NOT_STARTED = "not started"
 
 
 def start_job(gpus: list[str], counter, stop):
-    """A --jobs process's first act: keep the command's stop event, and with several GPUs take one."""
+    """A --jobs process's first act: keep the command's stop event, and with several GPUs take one.
+    Between runs the process ignores SIGINT and SIGTERM (each run stops on them while it trains): a
+    signal to the whole group would otherwise kill a process that waits for work, which breaks the
+    pool and makes every run still going read as failed. The stop event keeps queued runs from starting."""
     global STOP
     STOP = stop
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     if gpus:
         take_gpu(gpus, counter)
 

@@ -645,6 +645,38 @@ def test_a_signal_stops_every_job_with_a_checkpoint_and_starts_no_queued_run(tmp
     assert not (tmp_path / "copy" / "alibi" / "seed0" / "checkpoint.pt").exists()
 
 
+def test_a_signal_while_a_job_process_waits_for_work_breaks_no_run(tmp_path):
+    """--jobs 3 over three runs, one of them short: its job process is idle when SIGTERM reaches the
+    whole group (`timeout`, Ctrl-C). The idle process must live on: a pool process that dies breaks
+    the pool, and every run still going would read "failed" although each wrote its checkpoint."""
+    import signal
+    import subprocess
+    import time
+    root = Path(__file__).resolve().parents[1]
+    script = (f"import sys; sys.path.insert(0, {str(root)!r}); import cli, train\n"
+              f"cfgs = [cli.make_config(dict(task='copy', method=m, steps=s, d_model=16, n_layers=1, n_heads=2, "
+              f"batch_size=4, n_eval=4, out={str(tmp_path)!r}), 'cpu') "
+              f"for m, s in (('nope', 5), ('rope', 100000), ('alibi', 100000))]\n"
+              "try:\n    cli.run_many(cfgs, jobs=3)\nexcept train.Interrupted as e:\n    print(e); sys.exit(130)\n")
+    out_file = tmp_path / "out.txt"
+    with open(out_file, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    logs = [tmp_path / "copy" / m / "seed0" / "train.log" for m in ("rope", "alibi")]
+    deadline = time.time() + 120
+    while not ("done" in out_file.read_text() and all(p.exists() and "step" in p.read_text() for p in logs)) \
+            and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    text = out_file.read_text()
+    assert proc.returncode == 130 and "nope/seed0: exact" in text, text[-2000:]
+    assert "stopped by signal 15: 2 of 3 runs wrote a checkpoint" in text and "failed" not in text, text[-2000:]
+    for log in logs:
+        assert 1 <= torch.load(log.parent / "checkpoint.pt", weights_only=False)["step"] < 100000
+
+
 def write_seed(out, run, seed, exact_beyond, token=None):
     """A seed's metrics with exact match 1 at length 1 (the training length) and `exact_beyond` at 2."""
     rows = [{"name": str(L), "length": L, "variant": None, "n": 10, "exact": e, "token": e if token is None else token}

@@ -1037,7 +1037,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
         table = experiment_table(name, EXPERIMENTS[name], out)
         save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
         if EXPERIMENTS[name].sweep:
-            print(f"wrote {plot_sweep(name, EXPERIMENTS[name], out)}")
+            print(f"wrote {plot_sweep(name + suffix, EXPERIMENTS[name], out)}")
         print(table)
         tables.append(table)
     if args.reproduce == "all" and len(tables) == len(names):   # one file, paper vs this repo for every experiment

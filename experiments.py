@@ -370,8 +370,8 @@ UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4,
 # The PaTH paper (section 4.1) gives the models of its synthetic tasks but no optimiser, budget or seeds:
 # the full setups keep the quick runs' optimiser (the GPU preset), train longer and test on more examples.
 PATH_FULL = ("the paper's model (section 4.1), which is all the paper states for these tasks: no optimiser, "
-             "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch} (a few minutes a "
-             "run alone at the quick runs' speeds; not measured at this setup); {eval}; not run yet")
+             "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch}; {eval}; {ran}")
+NOT_RUN = "not run yet (a few minutes a run alone at the quick runs' speeds)"
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -385,7 +385,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         seeds=[0, 1, 2], checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
-                                                           "setting (smallest non-zero error ~0.0005 %)"))),
+                                                           "setting (smallest non-zero error ~0.0005 %)", ran=NOT_RUN))),
     "path-a5": Experiment(
         claim="A5 word problem over the generators (1 2 3), (1 2 4), (1 2 5) and their inverses, sequences "
               "of 20: PaTH needs fewer layers than RoPE to solve it (solved = accuracy above 90 %; the paper: "
@@ -403,7 +403,9 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)
                         for n in (1, 2, 3, 4) for m in ("rope", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="40k", batch=128, eval="2,048 test sequences per "
-                                                           "length; 1-4 layers, d = 256, 4 heads"))),
+                                                           "length; 1-4 layers, d = 256, 4 heads", ran="run on one H200, "
+                                                           "3 to 12 runs at once under MPS (wall: each run's share), "
+                                                           "not timed alone"))),
     "path-mqrar": Experiment(
         claim="Multi-query repeated associative recall with N-back (MQRAR-N), 2 layers, d=256, 2 heads: "
               "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
@@ -419,7 +421,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=12_000, n_eval=1024)
                         for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="12k", batch=64, eval="1,024 test sequences; 32 "
-                                                           "keys, 384 assignments (768 tokens), as in the paper"))),
+                                                           "keys, 384 assignments (768 tokens), as in the paper",
+                                                  ran=NOT_RUN))),
     "vipe-poly": _vipe_experiment("polynomial"),
     "vipe-parity": _vipe_experiment("parity"),
     "vipe-binary-copy": _vipe_experiment("binary_copy"),

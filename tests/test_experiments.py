@@ -65,16 +65,22 @@ def test_a_failed_run_does_not_stop_the_others(capsys, tmp_path, monkeypatch):
 
 
 def test_reproduce_sweep_figure(capsys, tmp_path, monkeypatch):
+    """The quick budget's figure is <name>.png, the full budget's <name>-full.png: one does not replace the other."""
+    runs = [dict(task="copy", method=m, tag=f"L{n}", n_layers=n, steps=5, batch_size=8, d_model=32, n_heads=2,
+                 n_eval=8, train_lengths=[1, 2], test_lengths=[2]) for n in (1, 2) for m in ("nope", "rope")]
     exp = experiments.Experiment(
-        claim="tiny sweep", runs=[dict(task="copy", method=m, tag=f"L{n}", n_layers=n, steps=5, batch_size=8,
-                                       d_model=32, n_heads=2, n_eval=8, train_lengths=[1, 2], test_lengths=[2])
-                                  for n in (1, 2) for m in ("nope", "rope")],
-        columns=[("len 2", (2, 2), "exact")], paper={}, scaled="tiny", sweep=("layers", 0))
+        claim="tiny sweep", runs=runs, columns=[("len 2", (2, 2), "exact")], paper={}, scaled="tiny",
+        sweep=("layers", 0), full=dict(runs=[{**run, "steps": 6} for run in runs], seeds=[0], scaled="tiny, full"))
     monkeypatch.setitem(experiments.EXPERIMENTS, "sweep", exp)
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, "--reproduce", "sweep", "--out", str(out), "--device", "cpu")
     assert code == 0 and (out / "reproduce" / "sweep.png").stat().st_size > 1000
     assert "| copy/rope-L2 | this repo, last checkpoint" in (out / "reproduce" / "sweep.md").read_text()
+    quick = (out / "reproduce" / "sweep.png").read_bytes()
+    code, stdout, _ = run_cli(capsys, "--reproduce", "sweep", "--budget", "full", "--out", str(out), "--device", "cpu")
+    assert code == 0 and (out / "reproduce" / "sweep-full.png").stat().st_size > 1000
+    assert (out / "reproduce" / "sweep.png").read_bytes() == quick
+    assert "| copy/rope-L2-full | this repo, last checkpoint" in (out / "reproduce" / "sweep-full.md").read_text()
 
 
 def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
@@ -734,15 +740,26 @@ def test_every_experiment_has_three_seeds_at_both_budgets():
 
 
 def test_readme_verdicts_are_those_of_the_committed_metrics():
-    """README's "the rule's verdict" column, row by row, against experiments.verdict on docs/results."""
+    """README's "the rule's verdict" column, row by row and budget by budget, against experiments.verdict
+    on docs/results; a full budget reads "not run" unless its runs are there."""
     import re
     root = Path(__file__).resolve().parents[1]
     rows = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `")
-            and line.rstrip().endswith(("/ not run |", "/ no full setup |"))]
+            and re.search(r"checks\) / [^|]+\|\s*$", line)]
     assert len(rows) == len(experiments.EXPERIMENTS)
+
+    def cell(exp):
+        word, _ = experiments.verdict(exp, root / "docs" / "results")
+        head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
+        return f"{head if head in ('yes', 'no', 'partly') else 'none, < 3 seeds'} ({held}/{total} checks)"
     for line in rows:
         name = line.split("`")[1]
-        word, _ = experiments.verdict(experiments.EXPERIMENTS[name], root / "docs" / "results")
-        head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
-        short = head if head in ("yes", "no", "partly") else "none, < 3 seeds"
-        assert f"| {short} ({held}/{total} checks) / " in line, (name, word)
+        exp = experiments.EXPERIMENTS[name]
+        quick, full = line.rstrip(" |").rsplit("| ", 1)[1].split(" / ")
+        assert quick == cell(exp), (name, quick)
+        if exp.full is None:
+            assert full == "no full setup", name
+        elif full == "not run":
+            assert not cell(experiments.at_budget(exp, "full")).startswith(("yes", "no ", "partly")), name
+        else:
+            assert full == cell(experiments.at_budget(exp, "full")), (name, full)

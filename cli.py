@@ -111,13 +111,14 @@ def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str,
 # Checks before a run
 # =============================================================================================
 
-def validate(cfg: TrainConfig) -> Task:
-    """Check everything a run needs before anything is written; raise UsageError if not."""
+def validate(cfg: TrainConfig, planning: bool = False) -> Task:
+    """Check everything a run needs before anything is written; raise UsageError if not. `planning`
+    (--plan): the device need not be on this machine."""
     check_method(cfg.method)
     if cfg.task not in TASKS:
         raise UsageError(f"unknown task {cfg.task!r}; valid tasks: {', '.join(TASKS)}")
     task = TASKS[cfg.task]
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, present=not planning)
     if cfg.compile and not device.startswith("cuda"):
         raise UsageError("--compile needs a CUDA GPU; drop it on CPU")
     if cfg.graphs and not device.startswith("cuda"):
@@ -177,10 +178,12 @@ def validate(cfg: TrainConfig) -> Task:
     return task
 
 
-def resolve_device(name: str) -> str:
+def resolve_device(name: str, present: bool = True) -> str:
+    """The device a run asks for; `present`: it must be on this machine (not so for --plan, which only
+    lists the runs and their times, e.g. a GPU experiment planned on a laptop)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    if name.startswith("cuda") and present and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
     if name != "cpu" and not name.startswith("cuda"):
         raise UsageError(f"unknown device {name!r} (use auto, cpu or cuda)")
@@ -788,7 +791,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
                    "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
     g.add_argument("--plan", action="store_true", help="with --reproduce: print its runs, which are present and "
-                   "the time of the others, then stop")
+                   "the time of the others, then stop (--device cuda: also on a machine without a GPU)")
     g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
@@ -878,7 +881,7 @@ def speed(args, device: str, n_runs: int) -> dict:
     CUDA graphs and torch.compile (see --help)."""
     cuda = device.startswith("cuda")
     if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
-        memory = torch.cuda.mem_get_info(0)[0] if cuda else 0    # free now: other commands' runs count
+        memory = torch.cuda.mem_get_info(0)[0] if cuda and visible_gpus() else 0   # free now: others' runs count
         n_gpus = len(visible_gpus()) if cuda else 1
         args.jobs = max(1, min(8 * n_gpus, n_runs, n_gpus * (memory // 2**33))) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
@@ -913,7 +916,7 @@ def run_cli(args) -> int:
     if args.help_method or args.help_task:
         print(describe(args))
         return 0
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, present=not (args.reproduce and args.plan))
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
@@ -1009,7 +1012,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
         for cfg in cfgs:
-            validate(cfg)
+            validate(cfg, planning=args.plan)
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)

@@ -250,6 +250,12 @@ def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys,
         path.write_text(json.dumps({**json.loads(path.read_text()), "device": "NVIDIA H100 80GB HBM3"}))
     code, stdout, _ = run_cli(capsys, *args, "--plan")
     assert code == 0 and stdout.count("time unknown (no run of this task and method on this kind of device") == 2
+    gpu = ["--reproduce", "tiny", "--out", str(out), "--device", "cuda", "--plan"]
+    code, stdout, _ = run_cli(capsys, *gpu)           # a GPU's plan on any machine: the GPU's times
+    assert code == 0 and stdout.count("(measured: seed0)") == 2 and present(out) == ["copy/nope/seed0", "copy/rope/seed0"]
+    if not torch.cuda.is_available():                 # without --plan a missing GPU is still an error
+        code, _, err = run_cli(capsys, *gpu[:-1])
+        assert code == 2 and "no CUDA GPU is available" in err
 
 
 def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkpoint(capsys, tmp_path, monkeypatch):

@@ -881,8 +881,9 @@ def speed(args, device: str, n_runs: int) -> dict:
     CUDA graphs and torch.compile (see --help)."""
     cuda = device.startswith("cuda")
     if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
-        memory = torch.cuda.mem_get_info(0)[0] if cuda and visible_gpus() else 0   # free now: others' runs count
-        n_gpus = len(visible_gpus()) if cuda else 1
+        gpus = visible_gpus() if cuda else []                    # none with --plan on a machine without one
+        memory = torch.cuda.mem_get_info(0)[0] if gpus else 0   # free now: other commands' runs count
+        n_gpus = len(gpus) if cuda else 1
         args.jobs = max(1, min(8 * n_gpus, n_runs, n_gpus * (memory // 2**33))) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")

@@ -786,7 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
     g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
     g.add_argument("--methods", help="several methods, comma-separated")
-    g.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    g.add_argument("--seeds", help="comma-separated seeds (default 0); with --reproduce: only these of the "
+                   "experiment's seeds (its table then stands on them, e.g. 3 of ViPE's 8)")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
                    "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
@@ -929,7 +930,7 @@ def run_cli(args) -> int:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
     for m in methods:
         check_method(m)
-    seeds = parse_list(args.seeds, int, "--seeds")
+    seeds = parse_list(args.seeds or "0", int, "--seeds")
     for flag, items in (("--methods", methods), ("--seeds", seeds)):
         if len(set(items)) < len(items):
             raise UsageError(f"{flag} names {sorted(x for x in set(items) if items.count(x) > 1)[0]} twice")
@@ -1004,7 +1005,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if args.reproduce not in defined + ["all"]:
         raise UsageError(f"experiment {args.reproduce} has no {budget} setup yet; --budget {budget} is defined for: "
                          f"{', '.join(defined) or 'none'}")
-    EXPERIMENTS = {name: experiments.at_budget(experiments.EXPERIMENTS[name], budget) for name in names}
+    EXPERIMENTS = {name: some_seeds(experiments.at_budget(experiments.EXPERIMENTS[name], budget), name, args.seeds)
+                   for name in names}
     suffix = "" if budget == "quick" else f"-{budget}"
     shard, n_shards = parse_shard(args.shard)
     n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
@@ -1050,6 +1052,21 @@ def reproduce(args, device: str, preset_name: str) -> int:
         print(f"wrote {out / 'reproduce' / f'all{suffix}.md'}")
     check_failures(failed, len(todo))
     return 0
+
+
+def some_seeds(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:
+    """The experiment on the seeds of --seeds only (all of its seeds if None), in its own order."""
+    if text is None:
+        return exp
+    chosen = parse_list(text, int, "--seeds")
+    if len(set(chosen)) < len(chosen) or not set(chosen) <= set(exp.seeds):
+        raise UsageError(f"--seeds with --reproduce takes distinct seeds of the experiment's own ({name}: "
+                         f"{', '.join(map(str, exp.seeds))}), got {text!r}")
+    if set(chosen) == set(exp.seeds):
+        return exp
+    seeds = [s for s in exp.seeds if s in chosen]
+    return dataclasses.replace(exp, seeds=seeds, scaled=f"{exp.scaled}; this table: seeds {', '.join(map(str, seeds))} "
+                               f"of its {', '.join(map(str, exp.seeds))}")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:

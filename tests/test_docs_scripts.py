@@ -209,13 +209,25 @@ def test_prism_copy_speed_trains_every_copy_task(tmp_path):
     assert all(r["backend"] == "torch" and r["steps"] == 2 and r["steps_per_s"] > 0 for r in rows)
 
 
-def test_prism_step_profile_times_and_profiles_a_step(tmp_path):
+def test_step_profile_times_and_profiles_a_step(tmp_path):
     out = tmp_path / "profile.json"
-    text = script("prism_step_profile.py", "--task", "reverse", "--device", "cpu", "--tiny", "--steps", 2,
-                  "--top", 5, "--out", out)
+    text = script("step_profile.py", "--experiment", "prism-more", "--task", "reverse", "--device", "cpu", "--tiny",
+                  "--steps", 2, "--top", 5, "--out", out)
     got = json.loads(out.read_text())
     assert got["steps_per_s"] > 0 and 0 < got["eager_busy_ms"] and len(got["top"]) == 5
     assert got["top"][0][1] >= got["top"][-1][1] and "aten::" in text
+    assert got["n_evals"] == 1 and got["projected_s"] > got["steps"] / got["steps_per_s"]
+
+
+def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_path):
+    out = tmp_path / "profile.json"
+    script("step_profile.py", "--experiment", "upe-add", "--budget", "full", "--label", "rpe-full", "--device", "cpu",
+           "--tiny", "--steps", 2, "--top", 2, "--out", out)
+    got = json.loads(out.read_text())
+    assert (got["task"], got["run"], got["steps"]) == ("add_padded", "rpe-full", 15_000)
+    assert got["n_evals"] == 16     # every 1000 of 15k steps, and the final one
+    with pytest.raises(AssertionError, match="has no run"):
+        script("step_profile.py", "--experiment", "upe-add", "--label", "upe", "--device", "cpu", "--tiny")
 
 
 def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):

@@ -238,6 +238,22 @@ def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp
     assert code == 0 and "0 to train" in stdout and (out / "reproduce" / "tiny.md").exists()
 
 
+def test_seeds_pick_some_of_the_experiments_seeds_and_the_table_stands_on_them(capsys, tmp_path, monkeypatch):
+    """--seeds 1 trains seed 1 of each run only and writes the table from it, saying which seeds it
+    stands on; a seed the experiment does not have, or one named twice, is one line and trains nothing."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    for bad in ("2", "1,1", "0,x"):
+        code, _, err = run_cli(capsys, *args, "--seeds", bad)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and not out.exists(), (bad, err)
+    code, stdout, _ = run_cli(capsys, *args, "--seeds", "1")
+    assert code == 0 and "2 runs; 2 to train" in stdout and present(out) == ["copy/nope/seed1", "copy/rope/seed1"]
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert "this table: seeds 1 of its 0, 1" in table and "| 1 | cpu" in table
+    code, stdout, _ = run_cli(capsys, *args, "--seeds", "1,0", "--plan")   # all of them: the experiment as it is
+    assert code == 0 and "4 runs; 2 to train" in stdout
+
+
 def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys, tmp_path, monkeypatch):
     """--plan prints the run list and stops; a run present on a GPU gives no time for the CPU's runs."""
     out = tiny_seeded(tmp_path, monkeypatch)

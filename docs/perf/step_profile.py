@@ -1,0 +1,167 @@
+"""Where one training step of an experiment's run spends its time, and what a whole run of it costs:
+the run's own settings (the GPU preset, the experiment's options, at either budget), batches at its
+longest training length.
+
+    python docs/perf/step_profile.py --experiment prism-more --task reverse [--steps 30] [--top 25]
+    python docs/perf/step_profile.py --experiment vipe-parity --budget full --label vipe-L3 --compile
+    python docs/perf/step_profile.py --experiment prism-more --task reverse --device cpu --tiny --steps 2
+
+Prints (1) steps/s of train.Step as the loop runs it (CUDA graphs on a GPU; --compile: of the
+compiled model, as `train.py --compile` runs it), (2) the device time of one eager step, summed over
+its kernels, against its wall time (near the wall time: the GPU is busy all step and faster kernels
+are what helps; far below it: the step waits on launches), (3) the --top kernels or operators by
+device time per step (CUDA time on a GPU, the operators' own CPU time otherwise), and (4) one
+evaluation as the run makes it (its test lengths and examples, and its held-out set) and the run's
+projected time alone: its steps at (1)'s rate plus its evaluations. Data is made before the clock
+starts, so (1) is the step alone; a run's data workers add nothing where they keep up. --tiny
+shrinks the model: a check that the script runs, not a measurement. Run it from the repository root.
+Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+sys.path.insert(0, ".")
+import cli          # noqa: E402
+import experiments  # noqa: E402
+import train        # noqa: E402
+from evaluation import evaluate  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+
+def pick(name: str, budget: str, task: str | None, label: str | None) -> dict:
+    """The experiment's first run on `task` (any task if None) whose folder name ("vipe-L3-full") is
+    `label` (any if None)."""
+    exp = experiments.at_budget(experiments.EXPERIMENTS[name], budget)
+    for run in exp.runs:
+        folder = "-".join(t for t in (run["method"], run.get("tag", "")) if t)
+        if (task is None or run["task"] == task) and (label is None or folder == label):
+            return run
+    raise SystemExit(f"{name} ({budget}) has no run with task {task} and label {label}")
+
+
+def config(run: dict, device: str, tiny: bool, compile_: bool) -> train.TrainConfig:
+    values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda"), "compile": compile_}
+    if tiny:
+        values.update(d_model=32, n_layers=2, n_heads=2, batch_size=4, n_eval=2)
+        if run["method"] == "prism":
+            values["opts"] = {**run.get("opts", {}), "prism_bins": 16, "prism_dim": 16, "prism_cursors": 2}
+    cfg = cli.make_config(values, "gpu")
+    task = TASKS[cfg.task]
+    cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
+    return cfg
+
+
+def sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment", default="prism-more", help="an experiment of experiments.EXPERIMENTS")
+    p.add_argument("--budget", default="quick", choices=experiments.BUDGETS)
+    p.add_argument("--task", help="a task of the experiment (default: its first run's)")
+    p.add_argument("--label", help="the run's folder name, e.g. vipe-L3-full (default: the task's first run)")
+    p.add_argument("--compile", action="store_true", help="(1) with the model compiled (train.py --compile)")
+    p.add_argument("--steps", type=int, default=30, help="steps timed, and steps profiled")
+    p.add_argument("--warm", type=int, default=5, help="steps before the clock starts (graph captures)")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", help="also write the numbers to this JSON file")
+    a = p.parse_args(argv)
+    device = train.device_of(a.device)
+    run = pick(a.experiment, a.budget, a.task, a.label)
+    cfg = config(run, device, a.tiny, a.compile)
+    task = TASKS[cfg.task]
+    length = max(cfg.train_lengths or task.train_lengths)
+    rng = np.random.default_rng(0)
+    data = [task.sample(cfg.batch_size, length, rng, **cfg.task_opts) for _ in range(a.warm + a.steps)]
+    torch.manual_seed(cfg.seed)
+    model = train.build_model(cfg.model).to(device)
+    opt = train.make_optimizer(model, cfg, device)
+    train.set_lr(opt, cfg.lr)
+
+    fwd = torch.compile(model) if a.compile else model
+    step = train.Step(model, fwd, opt, cfg, task, device)             # (1) as the loop runs it
+    for batch in data[:a.warm]:
+        step(batch)
+    sync(device)
+    tic = time.perf_counter()
+    for batch in data[a.warm:]:
+        step(batch)
+    sync(device)
+    rate = a.steps / (time.perf_counter() - tic)
+    step.release()
+
+    cfg.graphs = cfg.compile = False                                    # (2), (3): every kernel seen
+    eager = train.Step(model, model, opt, cfg, task, device)
+    eager(data[0])
+    sync(device)
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    tic = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for batch in data[a.warm:]:
+            eager(batch)
+        sync(device)
+    wall = (time.perf_counter() - tic) / a.steps * 1e3
+    per, launches = defaultdict(float), 0                              # ms per step, by kernel / operator
+    for evt in prof.key_averages():
+        if device.startswith("cuda"):                                  # the kernels themselves (an
+            if "CUDA" not in str(getattr(evt, "device_type", "")):     # operator's entry repeats its
+                continue                                               # kernels' time)
+            us = getattr(evt, "self_device_time_total", None)
+            us = evt.self_cuda_time_total if us is None else us
+            launches += evt.count
+        else:
+            us = evt.self_cpu_time_total
+        if us > 0:
+            per[evt.key] += us / 1e3 / a.steps
+    busy = sum(per.values())
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:a.top]
+
+    sets = [(cfg.test_lengths or task.test_lengths, 1)] + ([(cfg.held_out_lengths, 2)] if cfg.held_out_lengths else [])
+    sync(device)
+    tic = time.perf_counter()                                           # (4) one evaluation
+    for lengths, stream in sets:
+        evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream,
+                 precision=cfg.precision)
+    sync(device)
+    eval_s = time.perf_counter() - tic
+    n_evals = 1 + (cfg.steps // cfg.eval_every if cfg.eval_every else 0)   # during training, and the final one
+    projected = cfg.steps / rate + n_evals * eval_s
+
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    name = f"{a.experiment} ({a.budget}) {cfg.task}/{cfg.run_dir().parent.name}"
+    print(f"{name}: batch {cfg.batch_size} at length {length}, {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
+          f"on {where}")
+    print(f"(1) train.Step{' with CUDA graphs' if device.startswith('cuda') else ''}"
+          f"{' (compiled)' if a.compile else ''}: {rate:.1f} steps/s ({1e3 / rate:.2f} ms a step)")
+    print(f"(2) one eager step: {busy:.2f} ms of {'device' if device.startswith('cuda') else 'CPU'} time in "
+          f"{wall:.2f} ms wall (profiled)" + (f", {launches / a.steps:.0f} kernels" if launches else ""))
+    print("(3) by kernel / operator, ms per step:")
+    for key, ms in top:
+        print(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
+    print(f"(4) one evaluation: {eval_s:.1f} s; the run alone: {cfg.steps} steps at (1)'s rate + {n_evals} "
+          f"evaluations = {train.fmt_time(projected)} (projected)")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
+                           compile=a.compile, device=where, batch=cfg.batch_size, length=length, steps_per_s=rate,
+                           eager_busy_ms=busy, eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top,
+                           eval_s=eval_s, steps=cfg.steps, n_evals=n_evals, projected_s=projected,
+                           git=train.git_hash()), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -325,8 +325,8 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
 # curriculum on its schedule; evaluated every 1k steps on 1,000 examples, reported as the mean of the 3 best.
-# Its 150k steps: 40k here (by then the length-40 tasks have reached their last stage), a guess at what fits
-# the 9 minutes a run may take, not measured at this size.
+# Its 150k steps: 40k here (by then the length-40 tasks have reached their last stage); at this size a
+# PRISM step is too slow for that to fit the 9 minutes a run may take (PRISM_FULL says by how much).
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
                    curriculum_steps=5000, eval_every=1000, n_eval=1000, steps=40_000)
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
@@ -335,9 +335,11 @@ PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shif
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
               "1,000 examples) with a width of 210 for its 192 (35 heads must divide it) and 40k of its 150k steps "
-              "(27 %; a guess at what fits 9 minutes, not measured); the gate head starting to count as in the "
-              "quick runs (the paper gives no initialisation); "
-              "{more}; not run yet")
+              "(27 %); the gate head starting to count as in the quick runs (the paper gives no initialisation); "
+              "{more}; not run: at this size PRISM trains add_cot at 5.0 steps/s alone on one H200, so 40k steps "
+              "and their 41 evaluations (33 s each) take about 2h35m against the 9 minutes a run may take, and "
+              "mul_cot's 1280 bins run out of the H200's 140 GB (docs/perf/training.md, \"The full budget's runs "
+              "alone\")")
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
@@ -507,9 +509,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                              **UPE_BERT)
                         for m in ("ape", "rpe")], seeds=[0, 1, 2],
                   scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 15k steps "
-                         "x 64 (9.6 epochs; the paper trains without stating how long): about what fits 9 minutes, "
-                         "from RPE's 14k steps in 474 s beside another run (docs/results/upe-add-budget); "
-                         "not run yet")),
+                         "x 64 (9.6 epochs; the paper trains without stating how long): 2.5 (APE) and 3.4 (RPE) "
+                         "minutes a run alone on one H200, projected from its step (docs/perf/training.md); run 6 "
+                         "at once under MPS on one H200 (wall: each run's share)")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
@@ -532,9 +534,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                         for d in (1, 3) for m in ("ape", "rpe", "upe")], seeds=[0, 1, 2],
                   scaled="the paper's model and optimiser (appendix B: 768 wide, 8 heads, 6 layers, 9 for the "
                          "3-digit multiplier) and its fixed sets (100k samples; 500k for the 3-digit multiplier); "
-                         "15k and 20k steps x 64 (the paper does not say how long), about what fits 9 minutes from "
-                         "the 768-wide runs' 34-58 steps/s on a shared H100 (docs/results/mul_padded-bert); not run "
-                         "yet")),
+                         "15k and 20k steps x 64 (the paper does not say how long): 1.3-2.6 minutes a run alone on "
+                         "one H200, projected from its step (docs/perf/training.md); the 3-digit runs ran 9 at once "
+                         "under MPS on one H200 (wall: each run's share), the 1-digit runs not yet")),
 }
 
 

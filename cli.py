@@ -1096,8 +1096,8 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
     """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
     and of its part of the list, `part`: "shard I/N" or "--runs K,..."), whether this command trains it
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
-    with another seed, per step) or estimated (the same task and method with other settings, per step
-    and sequence), else unknown."""
+    with another seed, per step) or estimated (the run of the same task and method with the closest
+    settings, per step and sequence), else unknown."""
     print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part else "")
           + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown = 0.0, 0
@@ -1133,9 +1133,22 @@ def checkpoint_step(cfg: TrainConfig) -> int:
         return 0
 
 
+# settings that do not change what one step costs, or that every run has its own of
+NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "preset", "log_every", "ckpt_every"}
+
+
+def differences(a: dict, b: dict) -> int:
+    """How many settings two runs' configs (asdict(TrainConfig)) differ in, the model's counted one by one."""
+    flat = lambda c: {**{k: v for k, v in c.items() if k != "model"}, **c.get("model", {})}  # noqa: E731
+    fa, fb = flat(a), flat(b)
+    return sum(fa.get(k) != fb.get(k) for k in set(fa) | set(fb) if k not in NOT_COST)
+
+
 def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
-    """(seconds, "measured" | "estimate") for one run, from the metrics of runs already present on
-    the same kind of device (a GPU's time says nothing of a CPU's)."""
+    """(seconds, "measured: seedS" | "estimate: LABEL") for one run, from the metrics of runs already
+    present on the same kind of device (a GPU's time says nothing of a CPU's): another seed of the same
+    run, else the run of the same task and method whose settings differ from this one's in the fewest
+    (its time per step, scaled by the batch size)."""
     cpu = device_of(cfg.device) == "cpu"
 
     def usable(path):
@@ -1148,10 +1161,14 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     for path in sorted(cfg.run_dir().parent.glob("seed*/metrics.json")):
         if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size:
             return per_step(m) * cfg.steps, "measured: " + path.parent.name
-    for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json")):
-        if m := usable(path):
-            return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate"
-    return None, ""
+    mine = asdict(cfg)
+    others = [(differences(mine, m["config"]), path.parent.parent.name, m)
+              for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))
+              if (m := usable(path))]
+    if not others:
+        return None, ""
+    _, label, m = min(others, key=lambda x: x[0])          # the first of the closest, in folder order
+    return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate: from " + label
 
 
 if __name__ == "__main__":

@@ -787,3 +787,25 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
             assert not cell(experiments.at_budget(exp, "full")).startswith(("yes", "no ", "partly")), name
         else:
             assert full == cell(experiments.at_budget(exp, "full")), (name, full)
+
+
+def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):
+    """No other seed of the run: its time comes from the run of its task and method whose settings
+    differ least (per step, scaled by the batch), not from the first one in folder order; nothing of
+    the same kind of device: unknown."""
+    base = dict(task="copy", method="rope", device="cpu", out=str(tmp_path), steps=100, batch_size=8, d_model=32)
+
+    def present(tag, wall, **values):
+        cfg = make_config({**base, "tag": tag, **values}, "cpu")
+        metrics = {"config": train.asdict(cfg), "wall_s": wall, "device": "cpu (2 cores)"}
+        (cfg.run_dir()).mkdir(parents=True)
+        (cfg.run_dir() / "metrics.json").write_text(json.dumps(metrics))
+    present("a", 10.0, n_layers=1, lr=1e-3, steps=50)              # differs in depth, lr and steps
+    present("b", 30.0, n_layers=4, batch_size=16)                   # differs in the batch only
+    cfg = make_config({**base, "tag": "c", "n_layers": 4}, "cpu")
+    seconds, how = cli.time_of(cfg)
+    assert how == "estimate: from rope-b" and seconds == pytest.approx(30.0 / 100 * 100 * 8 / 16)
+    cfg = make_config({**base, "tag": "c", "n_layers": 1, "lr": 1e-3}, "cpu")
+    assert cli.time_of(cfg) == (pytest.approx(10.0 / 50 * 100), "estimate: from rope-a")
+    gpu = make_config({**base, "tag": "c", "device": "cuda"}, "cpu")
+    assert cli.time_of(gpu) == (None, "")

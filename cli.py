@@ -930,7 +930,7 @@ def run_cli(args) -> int:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
     for m in methods:
         check_method(m)
-    seeds = parse_list(args.seeds or "0", int, "--seeds")
+    seeds = parse_list("0" if args.seeds is None else args.seeds, int, "--seeds")
     for flag, items in (("--methods", methods), ("--seeds", seeds)):
         if len(set(items)) < len(items):
             raise UsageError(f"{flag} names {sorted(x for x in set(items) if items.count(x) > 1)[0]} twice")

@@ -461,11 +461,12 @@ def fake_mps(tmp_path, monkeypatch):
 
 
 def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (it may leave /proc between any two reads)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
 
 
 TINY_JOBS = ["--task", "copy", "--methods", "nope,rope", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",

@@ -983,16 +983,22 @@ def check_applies(args, methods: list[str]):
                              f"lengths of {args.task} ({min(lengths)}-{max(lengths)}) leave nothing to grow")
 
 
-def write_summary(method_dir: Path):
-    """<method>/metrics.json: the summary over the seeds in method_dir (experiments.summarize)."""
-    summary = summarize(method_dir)
+def write_summary(method_dir: Path, only: list[int] | None = None):
+    """<method>/metrics.json: the summary over the seeds in method_dir, or over those in `only`
+    (experiments.summarize)."""
+    summary = summarize(method_dir, only)
     if summary:
         save_atomic(summary, method_dir / "metrics.json")
 
 
-def write_summaries(cfgs):
-    for method_dir in dict.fromkeys(cfg.run_dir().parent for cfg in cfgs):   # each folder once, in order
-        write_summary(method_dir)
+def write_summaries(cfgs, own_seeds: bool = False):
+    """Each method folder of cfgs once, in order: over every seed present, or (own_seeds, as --reproduce
+    does) over the seeds of cfgs alone, so that an experiment's table stands on its seeds or those of --seeds."""
+    folders = {}
+    for cfg in cfgs:
+        folders.setdefault(cfg.run_dir().parent, []).append(cfg.seed)
+    for method_dir, seeds in folders.items():
+        write_summary(method_dir, seeds if own_seeds else None)
 
 
 def reproduce(args, device: str, preset_name: str) -> int:
@@ -1037,7 +1043,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
             print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "
                   "its table waits for them (run --reproduce again, without --shard or --runs, once they are)")
             continue
-        write_summaries(cfgs)
+        write_summaries(cfgs, own_seeds=True)
         for task in sorted({c.task for c in cfgs}):
             plot_task(out / task)
         table = experiment_table(name, EXPERIMENTS[name], out)

@@ -71,13 +71,19 @@ def read_metrics(path: Path, keys) -> dict | None:
         return None
 
 
-def summarize(method_dir: Path) -> dict | None:
-    """Combine every seed's metrics in runs/<task>/<method>/seed*/ into the summary that cli.py
-    writes to <method>/metrics.json (None without any): per evaluation point the mean, min and max
-    over seeds, and the best seed (highest mean accuracy beyond the training length among seeds
-    whose in-distribution accuracy exceeds 0.85)."""
-    seeds = [m for p in sorted(method_dir.glob("seed*/metrics.json"))
-             if (m := read_metrics(p, ("task", "method", "seed", "eval", "train_max_length", "device", "wall_s")))]
+def seed_metrics(method_dir: Path, only: list[int] | None = None, keys=("seed", "eval", "train_max_length")) -> list[dict]:
+    """The metrics of each seed's run in method_dir/seed*/ that are readable and hold `keys`, in seed
+    folder order; those of the seeds in `only` alone, if given (an experiment's seeds, or --seeds)."""
+    return [m for p in sorted(method_dir.glob("seed*/metrics.json"))
+            if (m := read_metrics(p, keys)) and (only is None or m["seed"] in only)]
+
+
+def summarize(method_dir: Path, only: list[int] | None = None) -> dict | None:
+    """Combine every seed's metrics in runs/<task>/<method>/seed*/ (those of the seeds in `only`, if
+    given) into the summary that cli.py writes to <method>/metrics.json (None without any): per
+    evaluation point the mean, min and max over seeds, and the best seed (highest mean accuracy beyond
+    the training length among seeds whose in-distribution accuracy exceeds 0.85)."""
+    seeds = seed_metrics(method_dir, only, ("task", "method", "seed", "eval", "train_max_length", "device", "wall_s"))
     if not seeds:
         return None
     train_max = seeds[0]["train_max_length"]
@@ -547,14 +553,11 @@ EXPERIMENTS: dict[str, Experiment] = {
 MIN_SEEDS = 3
 
 
-def seed_values(out: Path, run: str, selector, metric: str) -> dict[int, float]:
-    """One column's value for each seed of a run ("task/label"), from out/task/label/seed*/metrics.json."""
-    values = {}
-    for path in sorted((out / run).glob("seed*/metrics.json")):
-        m = read_metrics(path, ("seed", "eval", "train_max_length"))
-        if m is not None and (v := one_seed(m["eval"], m, selector, metric)) is not None:
-            values[m["seed"]] = v
-    return values
+def seed_values(out: Path, run: str, selector, metric: str, only: list[int] | None = None) -> dict[int, float]:
+    """One column's value for each seed of a run ("task/label"), from out/task/label/seed*/metrics.json
+    (the seeds in `only` alone, if given)."""
+    return {m["seed"]: v for m in seed_metrics(out / run, only)
+            if (v := one_seed(m["eval"], m, selector, metric)) is not None}
 
 
 def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
@@ -569,7 +572,7 @@ def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
         name, selector, metric = exp.columns[col]
         lower = metric == "error"                             # lower is better for errors only
         beats = (lambda x, y: x < y) if lower else (lambda x, y: x > y)  # noqa: E731
-        runs = {x: seed_values(out, x, selector, metric) for x in (a, b) if isinstance(x, str)}
+        runs = {x: seed_values(out, x, selector, metric, exp.seeds) for x in (a, b) if isinstance(x, str)}
         if any(not v for v in runs.values()):
             lines.append(f"{a} vs {b} in {name}: " + ", ".join(f"{x} not run" for x, v in runs.items() if not v))
             short.append(True)
@@ -631,7 +634,7 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             lines.append(f"| {run['task']}/{label} | this repo, {rule} | "
                          + " | ".join(cells) + f" | {len(s['seeds'])} | | |")
         if exp.select:
-            seeds = [json.loads(p.read_text()) for p in sorted(path.parent.glob("seed*/metrics.json"))]
+            seeds = seed_metrics(path.parent, exp.seeds)
             source, cells = paper_rule(exp, seeds)
             lines.append(f"| {run['task']}/{label} | this repo, {source} | " + " | ".join(cells)
                          + f" | {len(seeds)} | | |")

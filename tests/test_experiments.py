@@ -1,4 +1,5 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -173,7 +174,7 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     rows = {}
     for select in (("best_seed",), ("top3",), ("held_out", (10, 10))):
         exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], columns=cols, paper={},
-                                     scaled="s", select=select)
+                                     scaled="s", select=select, seeds=[0, 1])
         rows[select[0]] = experiments.experiment_table("x", exp, out).splitlines()[-1]
     assert "| this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | 0.700 (0.50-0.90) |" \
         in experiments.experiment_table("x", exp, out)
@@ -191,7 +192,8 @@ def test_best_seed_says_when_no_seed_fits(tmp_path):
     assert not experiments.fits(a) and experiments.best_seed([a, b])["seed"] == 1
     out = write_seeds(tmp_path / "runs", [a, b])
     exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")],
-                                 columns=[("len 10", (10, 10), "exact")], paper={}, scaled="s", select=("best_seed",))
+                                 columns=[("len 10", (10, 10), "exact")], paper={}, scaled="s", select=("best_seed",),
+                                 seeds=[0, 1])
     row = experiments.experiment_table("x", exp, out).splitlines()[-1]
     assert "(none exceeds in-distribution exact match 0.85) (seed 1;" in row and "| 0.300 (0.30-0.30) |" in row
     assert "> 0.85" not in row
@@ -240,8 +242,11 @@ def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp
 
 def test_seeds_pick_some_of_the_experiments_seeds_and_the_table_stands_on_them(capsys, tmp_path, monkeypatch):
     """--seeds 1 trains seed 1 of each run only and writes the table from it, saying which seeds it
-    stands on; a seed the experiment does not have, or one named twice, is one line and trains nothing."""
+    stands on, also once seed 0 is present; a seed the experiment does not have, or one named twice,
+    is one line and trains nothing. The best-seed row and the verdict stand on the same seeds."""
     out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], select=("best_seed",), checks=[("copy/rope", "copy/nope", 0)]))
     args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
     for bad in ("2", "1,1", "0,x"):
         code, _, err = run_cli(capsys, *args, "--seeds", bad)
@@ -252,6 +257,13 @@ def test_seeds_pick_some_of_the_experiments_seeds_and_the_table_stands_on_them(c
     assert "this table: seeds 1 of its 0, 1" in table and "| 1 | cpu" in table
     code, stdout, _ = run_cli(capsys, *args, "--seeds", "1,0", "--plan")   # all of them: the experiment as it is
     assert code == 0 and "4 runs; 2 to train" in stdout
+    code, stdout, _ = run_cli(capsys, *args)
+    assert code == 0 and "| 2 | cpu" in (out / "reproduce" / "tiny.md").read_text()
+    code, stdout, _ = run_cli(capsys, *args, "--seeds", "1")                # seed 0 present: left out all the same
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert code == 0 and "0 to train" in stdout and "| 1 | cpu" in table and "| 2 |" not in table
+    assert "best of 1 seeds" in table and "of 1 seeds -- " in table
+    assert json.loads((out / "copy" / "nope" / "metrics.json").read_text())["seeds"] == [1]
 
 
 def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys, tmp_path, monkeypatch):
@@ -725,7 +737,7 @@ def test_verdict_follows_the_rule_mean_and_two_of_three_seeds(tmp_path):
         write_seed(tmp_path, "t/b", seed, b)
         write_seed(tmp_path, "t/e", seed, b)   # e ties with b
     exp = lambda checks, metric="exact": experiments.Experiment(  # noqa: E731
-        claim="", runs=[], columns=[("beyond", (2, 2), metric)], paper={}, scaled="", checks=checks)
+        claim="", runs=[], columns=[("beyond", (2, 2), metric)], paper={}, scaled="", checks=checks, seeds=[0, 1, 2])
     assert experiments.verdict(exp([("t/a", "t/b", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
     assert experiments.verdict(exp([("t/b", "t/a", 0)]), tmp_path)[0].startswith("no: 0 of 1")
     word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/a", 0.7, 0), ("t/e", "t/b", 0)]), tmp_path)
@@ -742,6 +754,10 @@ def test_verdict_follows_the_rule_mean_and_two_of_three_seeds(tmp_path):
     write_seed(tmp_path, "t/two", 0, 1.0)
     write_seed(tmp_path, "t/two", 1, 1.0)
     assert experiments.verdict(exp([("t/two", "t/b", 0)]), tmp_path)[0].startswith("no verdict")
+    write_seed(tmp_path, "t/f", 0, 0.0)     # seed 3 is not the experiment's: the verdict leaves it out
+    for seed, v in ((1, 0.0), (2, 0.0), (3, 1.0)):
+        write_seed(tmp_path, "t/f", seed, v)
+    assert experiments.verdict(exp([("t/b", "t/f", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
 
 
 def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():

@@ -542,7 +542,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                          "3-digit multiplier) and its fixed sets (100k samples; 500k for the 3-digit multiplier); "
                          "15k and 20k steps x 64 (the paper does not say how long): 1.3-2.6 minutes a run alone on "
                          "one H200, projected from its step (docs/perf/training.md); the 3-digit runs ran 9 at once "
-                         "under MPS on one H200 (wall: each run's share), the 1-digit runs not yet")),
+                         "under MPS on one H200, the 1-digit runs 9 at once beside 6 vipe-parity runs (wall: each "
+                         "run's share)")),
 }
 
 

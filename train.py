@@ -20,6 +20,7 @@ if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) 
 import json
 import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -318,8 +319,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         torch.set_rng_state(ckpt["torch_rng"])
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
-        step, losses, wall, history = ckpt["step"], ckpt["losses"], ckpt["wall"], ckpt.get("history", [])
-        logit_max = ckpt.get("logit_max", [])
+        step, wall, history, logit_max = ckpt["step"], ckpt["wall"], ckpt.get("history", []), ckpt.get("logit_max", [])
+        losses = pickle.loads(ckpt["losses"]) if isinstance(ckpt["losses"], bytes) else ckpt["losses"]  # older: a list
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = torch.compile(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
@@ -329,12 +330,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         f"d={cfg.model.d_model}, {n_params / 1e6:.2f}M params, {cfg.steps} steps x {cfg.batch_size} on {device}"
         + (f", {cfg.workers} data workers" if cfg.workers else "") + (", CUDA graphs" if cfg.graphs else ""))
 
-    def checkpoint():
+    def checkpoint():   # the loss history pickled on its own: torch.save is far slower on a long list of lists
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
-                     "torch_rng": torch.get_rng_state(),
+                     "torch_rng": torch.get_rng_state(), "step": step, "wall": wall, "history": history,
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-                     "step": step, "losses": losses, "wall": wall, "history": history, "logit_max": logit_max},
-                    cfg.run_dir() / CKPT)
+                     "losses": pickle.dumps(losses), "logit_max": logit_max}, cfg.run_dir() / CKPT)
 
     probe = task.sample(16, max(train_lengths), np.random.default_rng([cfg.seed, 3]), **cfg.task_opts)
 

@@ -3,6 +3,7 @@ import json
 import multiprocessing
 from pathlib import Path
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -327,6 +328,27 @@ def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
     by worker processes: the same weights as the run that was never interrupted."""
     full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
     part = tiny_config(tmp_path / "b", method="ape", ape_shift=8, workers=workers)
+    interrupt_and_resume(full, part, monkeypatch)
+    assert same_run(full, part)
+
+
+def test_a_checkpoint_holds_the_loss_history_pickled_and_an_older_list_resumes_alike(tmp_path, monkeypatch):
+    """The checkpoint keeps the loss of every step so far as one pickled bytes object; a checkpoint
+    holding the list itself (as written before) resumes to the same run."""
+    full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
+    part = tiny_config(tmp_path / "b", method="ape", ape_shift=8)
+    real_train = train.train
+
+    def as_older(cfg, resume=False, **kw):        # the resume of interrupt_and_resume: from a list
+        if resume:
+            path = cfg.run_dir() / train.CKPT
+            ckpt = torch.load(path, weights_only=False)
+            assert isinstance(ckpt["losses"], bytes)
+            losses = pickle.loads(ckpt["losses"])
+            assert [s for s, _ in losses] == list(range(1, 11)) and all(math.isfinite(v) for _, v in losses)
+            torch.save({**ckpt, "losses": losses}, path)
+        return real_train(cfg, resume=resume, **kw)
+    monkeypatch.setattr(train, "train", as_older)
     interrupt_and_resume(full, part, monkeypatch)
     assert same_run(full, part)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
     else:
         ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
         losses, logits, done, in_dist = ckpt["losses"], ckpt.get("logit_max", []), False, None
+        losses = pickle.loads(losses) if isinstance(losses, bytes) else losses   # train.py pickles it on its own
     first = next((s for s, v in losses if v < 0.01), None)
     after = [(v, s) for s, v in losses if first is not None and s > first]
     peak, at = max(after) if after else (None, None)

@@ -71,7 +71,8 @@ def read_metrics(path: Path, keys) -> dict | None:
         return None
 
 
-def seed_metrics(method_dir: Path, only: list[int] | None = None, keys=("seed", "eval", "train_max_length")) -> list[dict]:
+def seed_metrics(method_dir: Path, only: list[int] | None = None,
+                 keys=("seed", "eval", "train_max_length")) -> list[dict]:
     """The metrics of each seed's run in method_dir/seed*/ that are readable and hold `keys`, in seed
     folder order; those of the seeds in `only` alone, if given (an experiment's seeds, or --seeds)."""
     return [m for p in sorted(method_dir.glob("seed*/metrics.json"))

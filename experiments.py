@@ -91,7 +91,7 @@ def summarize(method_dir: Path, only: list[int] | None = None) -> dict | None:
     best = best_seed(seeds)
     summary = {"task": seeds[0]["task"], "method": seeds[0]["method"], "label": method_dir.name,
                "seeds": [m["seed"] for m in seeds], "train_max_length": train_max,
-               "device": seeds[0]["device"], "wall_s": [m["wall_s"] for m in seeds],
+               "device": ", ".join(dict.fromkeys(m["device"] for m in seeds)), "wall_s": [m["wall_s"] for m in seeds],
                "eval": over_seeds([m["eval"] for m in seeds]), "best_seed": best["seed"], "best_eval": best["eval"]}
     rules = seeds[0].get("eval_ablations", {})
     if rules and all(set(m.get("eval_ablations", {})) == set(rules) for m in seeds):

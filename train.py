@@ -141,8 +141,7 @@ def umask() -> int:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
         return int(line.split()[1], 8)
     except (OSError, StopIteration, ValueError):
-        mask = os.umask(0o022)
-        os.umask(mask)
+        os.umask(mask := os.umask(0o022))
         return mask
 
 
@@ -306,7 +305,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
     opt = make_optimizer(model, cfg, device)
-    step, losses, wall = 0, [], 0.0
+    step, losses, wall, timed = 0, [], 0.0, [0, 0.0, 0.0]   # timed: steps, seconds, data wait of earlier processes
     history = []    # evaluations during training: {"step", "eval" (test set), "held_out" (other examples)}
     logit_max = []  # at each checkpoint: [step, the largest |attention logit| of each attention call]
     sets = [("eval", 1, test_lengths)] + ([("held_out", 2, cfg.held_out_lengths)] if cfg.held_out_lengths else [])
@@ -320,6 +319,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
         step, wall, history, logit_max = ckpt["step"], ckpt["wall"], ckpt.get("history", []), ckpt.get("logit_max", [])
+        timed = ckpt.get("timed", timed)
         losses = pickle.loads(ckpt["losses"]) if isinstance(ckpt["losses"], bytes) else ckpt["losses"]  # older: a list
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = torch.compile(model) if cfg.compile else model
@@ -332,9 +332,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
 
     def checkpoint():   # the loss history pickled on its own: torch.save is far slower on a long list of lists
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
-                     "torch_rng": torch.get_rng_state(), "step": step, "wall": wall, "history": history,
+                     "torch_rng": torch.get_rng_state(), "step": step, "wall": time.time() - t0, "history": history,
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-                     "losses": pickle.dumps(losses), "logit_max": logit_max}, cfg.run_dir() / CKPT)
+                     "losses": pickle.dumps(losses), "logit_max": logit_max, "timed": timing()}, cfg.run_dir() / CKPT)
 
     probe = task.sample(16, max(train_lengths), np.random.default_rng([cfg.seed, 3]), **cfg.task_opts)
 
@@ -347,6 +347,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     waited, log_waited = 0.0, 0.0               # seconds spent waiting for data: in all, at the last log
     warm = step + min(50, (cfg.steps - step) // 5)   # steps/s and data wait in the metrics: after these
     mark = (step, time.time(), 0.0)             # steps (compiles, graph captures, workers starting)
+
+    def timing():   # [steps, seconds, data wait] after the warm-up: before a resume, and here if steps ran
+        now = (step - mark[0], time.time() - mark[1], waited - mark[2]) if step > mark[0] else (0, 0.0, 0.0)
+        return [a + b for a, b in zip(timed, now)]
     pending = []  # losses still on the device: reading each one would stall the GPU every step
     # jumps: has the loss been below JUMP[0], is it in a jump now (not back below since), the jumps kept
     settled = any(v < JUMP[0] for _, v in losses)
@@ -388,7 +392,6 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         while step < cfg.steps:
             if flag["stop"]:
                 flush()
-                wall = time.time() - t0
                 checkpoint()
                 raise Interrupted(f"stopped by signal {flag['stop']} after step {step}, checkpoint written: "
                                   "the same command with --resume continues it (with --reproduce, the same command)")
@@ -422,11 +425,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                                                  for key, stream_id, lengths in sets}})
                 log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
             if at_checkpoint:
-                wall = time.time() - t0
                 checkpoint()
     finally:
         stream.close()                           # stops the data workers, however the loop ends
-    wall, loop = time.time() - t0, time.time() - mark[1]
+    wall, (ran, loop, wait) = time.time() - t0, timing()
     train_step.release()
     # from here a signal stops the run at once (cli.stop_signals): the checkpoint of the last step is
     # written, and --resume goes straight to the evaluation
@@ -446,8 +448,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
         "git": commit, "device": device_name(device), "wall_s": round(wall, 1),
-        "steps_per_s": round((step - mark[0]) / max(loop, 1e-9), 2),
-        "data_wait": round((waited - mark[2]) / max(loop, 1e-9), 3),
+        "steps_per_s": round(ran / loop, 2) if ran else None, "data_wait": round(wait / max(loop, 1e-9), 3),
         "peak_memory_gb": round(torch.cuda.max_memory_reserved() / 2 ** 30, 2) if device.startswith("cuda") else None,
         "n_params": n_params, "train_max_length": train_max,
         "train_exact": float(np.mean(in_dist)) if in_dist else None,

@@ -184,6 +184,15 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 (0.20-0.60) |" in rows["held_out"]
 
 
+def test_the_table_names_every_device_its_seeds_ran_on(tmp_path):
+    """Seeds trained on different GPUs: the device cell lists each device once, in seed order."""
+    seeds = [{**fake_seed(k, 0.9, [1.0, 0.5, 0.1], []), "device": d} for k, d in enumerate(["H100", "H200", "H100"])]
+    out = write_seeds(tmp_path / "runs", seeds)
+    exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], paper={}, scaled="s",
+                                 columns=[("len 10", (10, 10), "exact")], seeds=[0, 1, 2])
+    assert "| 3 | H100, H200 | 0.0 min |" in experiments.experiment_table("x", exp, out)
+
+
 def test_best_seed_says_when_no_seed_fits(tmp_path):
     """When no seed reaches 0.85 in distribution, ViPE's rule takes the best of all seeds beyond the
     training length, and the row says that none passed the bar instead of claiming it."""

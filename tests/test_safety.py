@@ -172,11 +172,15 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once_and_resume_finishes(capsys
     run_dir = out / "copy" / "rope" / "seed0"
     assert code == 130 and "during the final evaluation" in err and "--resume" in err, err
     assert not (run_dir / "metrics.json").exists() and not (run_dir / "run.lock").exists()
-    assert torch.load(run_dir / train.CKPT, weights_only=False)["step"] == 3
+    ckpt = torch.load(run_dir / train.CKPT, weights_only=False)
+    assert ckpt["step"] == 3 and ckpt["timed"][0] == 3 and ckpt["timed"][1] > 0   # steps and seconds trained
     monkeypatch.setattr(train, "evaluate", real)
     code, _, err = cli_run(capsys, *TINY, "--method", "rope", "--out", str(out), "--resume")
     assert code == 0, err
-    assert json.loads((run_dir / "metrics.json").read_text())["eval"][0]["n"] == 4
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["eval"][0]["n"] == 4
+    # the resumed process trained no step: the speed is that of the steps before the stop, not 0
+    assert metrics["steps_per_s"] == round(ckpt["timed"][0] / ckpt["timed"][1], 2) > 0
 
 
 def test_a_signal_raises_at_once_only_after_training(monkeypatch):

@@ -517,7 +517,8 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, monkeypat
     with pytest.raises(train.Interrupted, match="after step 7, checkpoint written"):
         cli.run(part, log=lambda *_: None)
     monkeypatch.setattr(train.Step, "__call__", real)
-    assert torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)["step"] == 7
+    ckpt = torch.load(part.run_dir() / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 7 and ckpt["timed"][0] == 3      # steps 5-7: the speed counts from step 4 on
     assert not (part.run_dir() / "run.lock").exists()
     train.train(part, resume=True, log=lambda *_: None)
     assert same_run(full, part)

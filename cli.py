@@ -1015,8 +1015,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
                    for name in names}
     suffix = "" if budget == "quick" else f"-{budget}"
     shard, n_shards = parse_shard(args.shard)
-    n_runs = max(len(EXPERIMENTS[name].runs) * len(EXPERIMENTS[name].seeds) for name in names)
-    picked = parse_runs(args.runs, sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values()), args.shard)
+    n_runs = sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values())
+    picked = parse_runs(args.runs, n_runs, args.shard)
     how = speed(args, device, len(picked) if picked else -(-n_runs // n_shards))
     plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
@@ -1033,11 +1033,12 @@ def reproduce(args, device: str, preset_name: str) -> int:
     print_plan(everything, todo, mine, args.jobs, part)
     if args.plan:
         return 0
-    tables, failed = [], []
+    # one queue for the runs of every experiment: a GPU that finishes one experiment's runs takes the next one's
+    failed = run_many([cfg for cfg in everything if id(cfg) in todo], args.jobs, resume=not args.force and "auto",
+                      force=args.force, mps=not args.no_mps)
+    tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        failed += run_many([cfg for cfg in cfgs if id(cfg) in todo], args.jobs, resume=not args.force and "auto",
-                           force=args.force, mps=not args.no_mps)
         waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
         if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
             print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "

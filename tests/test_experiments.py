@@ -438,6 +438,23 @@ def test_every_full_setup_is_valid_and_apart_from_the_quick_runs():
             assert len(full.seeds) >= 3
 
 
+def test_reproduce_all_puts_every_experiments_runs_in_one_queue(capsys, tmp_path, monkeypatch):
+    """--reproduce all --jobs 2 with two experiments of one run each: one pool trains both at once
+    (one experiment at a time would train each run alone, leaving a job, or a GPU, idle), and each
+    experiment's table is then written from its own run."""
+    tiny = dict(task="copy", steps=3, batch_size=8, d_model=16, n_layers=1, n_heads=2, n_eval=4,
+                train_lengths=[1, 2], test_lengths=[2])
+    exps = {name: experiments.Experiment(claim=f"claim {name}", runs=[dict(tiny, method=m)], paper={}, scaled="tiny",
+                                         columns=[("len 2", (2, 2), "exact")]) for name, m in (("one", "nope"), ("two", "rope"))}
+    monkeypatch.setattr(experiments, "EXPERIMENTS", exps)
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, "--reproduce", "all", "--jobs", "2", "--out", str(out), "--device", "cpu")
+    assert code == 0 and stdout.count("2 runs, 2 at a time") == 1, stdout
+    assert (out / "copy" / "nope" / "seed0" / "train.log").exists() and (out / "copy" / "rope" / "seed0" / "train.log").exists()
+    assert "| copy/nope | this repo, last checkpoint" in (out / "reproduce" / "one.md").read_text()
+    assert "| copy/rope | this repo, last checkpoint" in (out / "reproduce" / "two.md").read_text()
+
+
 def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch):
     """With two GPUs visible, --jobs 4 starts four processes, two on each GPU (CUDA_VISIBLE_DEVICES
     set in each before CUDA starts there); every run's log says which process and GPU ran it."""

@@ -165,6 +165,19 @@ def position_scores(gq, gk, alpha):
     return gq @ gk.transpose(-1, -2) / (O * d) ** 0.5
 
 
+def cursor_scores(gq, gk):
+    """Algorithm 4 before the cursor scales: <gq_c, gk_c> / sqrt(O d) for each cursor.
+    gq, gk: (B, H, O, T, d) -> (B, H, O, T, T). Every block between two position updates reads the
+    same streams with its own alpha, so the hooks compute these once for all of them."""
+    return gq @ gk.transpose(-1, -2) / (gq.shape[2] * gq.shape[4]) ** 0.5
+
+
+def mix_cursors(scores, alpha):
+    """sum_c |alpha_{h,c}| scores_c: (B, H, O, T, T), alpha (H, O) -> (B, H, T, T); with
+    `cursor_scores`, `position_scores` reassociated."""
+    return torch.einsum("bhots,ho->bhts", scores, alpha.abs())
+
+
 # =============================================================================================
 # The model parts: gate network and position streams (hooks), attention layer
 # =============================================================================================
@@ -292,8 +305,15 @@ class CopyHead(nn.Module):
 
 class PrismHooks(Hooks):
     """Computes the position streams before the chosen blocks and leaves them in ctx for every
-    following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d); ctx["prism_hist"] and
-    ctx["prism_gates"] keep the histograms and gates for plots.
+    following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d), and their inner products per
+    cursor, ctx["prism_scores"] (`cursor_scores`); ctx["prism_hist"] and ctx["prism_gates"] keep the
+    histograms and gates for plots.
+
+    A cursor moves at most one bin a token, so after T tokens it holds mass only in bins 0..T; the
+    bins past those hold the sharpening's eps alone (about eps^gamma each, far below float32's
+    resolution of the others' sum). Without the copy branch (which can jump to any bin) the scan and
+    the superposition therefore run on the first T + 1 bins only (rounded up to a multiple of 32):
+    the same streams to float32 rounding, in a fraction of the work when P is far above T.
 
     With prism_copy, query cursor 0 of every head gets the copy branch, and its paired key cursor
     only increments (it holds the absolute position the copy jumps to), as in section 6.0.1."""
@@ -324,7 +344,7 @@ class PrismHooks(Hooks):
     def before_block(self, i, h, ctx):
         if i not in self.blocks:
             return
-        k = self.blocks.index(i)
+        k, (B, T) = self.blocks.index(i), h.shape[:2]
         p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
         gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
         p_copy = None
@@ -337,15 +357,16 @@ class PrismHooks(Hooks):
             c = count[None, :, None]
             p_reset, p_dec, p_keep = (torch.where(c, zero, x) for x in (p_reset, p_dec, p_keep))
             p_inc = torch.where(c, one, p_inc)
-            B, T = h.shape[0], h.shape[1]
             p_copy = torch.zeros(B, 2 * n, T, self.P + 1, device=h.device)
             p_copy[..., self.P] = 1                                      # everyone else: never copy
             p_copy = p_copy.index_copy(1, qc, self.copy_heads[k](h, self.P))
-        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, self.P, p_copy)   # (B, 2 H O, T, P)
-        with torch.autocast(h.device.type, enabled=False):  # float32: neighbouring bins differ by less
-            g = superpose(hist.float(), self.table)         # than bfloat16 resolves   (B, 2 H O, T, d)
+        P = self.P if self.copy else min(self.P, -(-(T + 1) // 32) * 32)   # the bins a cursor can reach
+        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy)   # (B, 2 H O, T, P)
         n = self.H * self.O
-        ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))
+        with torch.autocast(h.device.type, enabled=False):  # float32: neighbouring bins differ by less
+            g = superpose(hist.float(), self.table[:P])     # than bfloat16 resolves   (B, 2 H O, T, d)
+            ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))
+            ctx["prism_scores"] = cursor_scores(*ctx["prism"])                      # (B, H, O, T, T)
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
 
 
@@ -380,7 +401,7 @@ class PrismAttention(nn.Module):
                              f"set --method-opt prism_bins={T} or more")
 
     def forward(self, x, ctx):
-        if "prism" not in ctx:
+        if "prism_scores" not in ctx:
             raise RuntimeError("PrismAttention needs ctx['prism'] from PrismHooks (use --method prism)")
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
@@ -393,7 +414,7 @@ class PrismAttention(nn.Module):
         mu = torch.sigmoid(self.mu_logit)[:, None, None]
         content = (q @ k.transpose(-1, -2)).float() / self.D ** 0.5               # (B, H, T, T)
         with torch.autocast(q.device.type, enabled=False):                        # float32, as above
-            logits = mu * content + (1 - mu) * position_scores(*ctx["prism"], self.alpha)
+            logits = mu * content + (1 - mu) * mix_cursors(ctx["prism_scores"], self.alpha)
         if self.causal:
             logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)
         if ctx.get("key_mask") is not None:

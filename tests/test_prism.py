@@ -200,8 +200,8 @@ def test_naive_backend_switch(monkeypatch):
 
 import math  # noqa: E402
 
-from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, normalise, position_scores,  # noqa: E402
-                   sinusoid_table, superpose)
+from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, cursor_scores, histogram_scan,  # noqa: E402
+                   mix_cursors, normalise, position_scores, sinusoid_table, superpose)
 from model import Model, ModelConfig  # noqa: E402
 
 
@@ -228,6 +228,43 @@ def test_position_scores_by_hand():
         for c in range(3):
             want[0, h] += alpha[h, c].abs() * gq[0, h, c] @ gk[0, h, c].T
     assert torch.allclose(position_scores(gq, gk, alpha), want / math.sqrt(15), atol=1e-5)
+
+
+def test_scores_per_cursor_mixed_by_alpha_are_algorithm_4():
+    """The blocks' path (each cursor's inner products once, then each block's |alpha|) against
+    Algorithm 4 as written, values and gradients (float32 rounding)."""
+    torch.manual_seed(0)
+    gq, gk = torch.randn(2, 3, 4, 9, 8, requires_grad=True), torch.randn(2, 3, 4, 7, 8, requires_grad=True)
+    alphas = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]               # two blocks
+    scores = cursor_scores(gq, gk)
+    fast = [mix_cursors(scores, a) for a in alphas]
+    ref = [position_scores(gq, gk, a) for a in alphas]
+    for f, r in zip(fast, ref):
+        assert f.shape == (2, 3, 9, 7) and torch.allclose(f, r, atol=1e-5)
+    w = torch.randn(2, 3, 9, 7)
+    grads = [torch.autograd.grad(sum((x * w).sum() for x in out), [gq, gk, *alphas]) for out in (fast, ref)]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_the_streams_from_the_reachable_bins_equal_those_from_all_bins(copy):
+    """Without the copy branch the hooks scan only the bins a cursor can reach in T tokens (T + 1,
+    rounded up to 32): the streams equal those of the scan over all P = 128 bins to float32 rounding.
+    With the copy branch (a jump can reach any bin) all P bins are scanned."""
+    torch.manual_seed(0)
+    hooks = PrismHooks(prism_cfg(prism_bins=128, prism_copy=copy))
+    h, ctx = torch.randn(2, 20, 32), {}
+    hooks.before_block(0, h, ctx)
+    assert ctx["prism_hist"].shape[-1] == (128 if copy else 32)
+    if copy:
+        return
+    gamma = 1 + torch.nn.functional.softplus(hooks.gamma_raw[0])[None]
+    full = histogram_scan(*ctx["prism_gates"], gamma, 128)                       # (B, 2 H O, T, 128)
+    assert float(full[..., 32:].sum(-1).max().detach()) < 1e-9                         # the eps mass alone
+    g = superpose(full, hooks.table)
+    for got, want in zip(ctx["prism"], (normalise(g[:, :8], 2), normalise(g[:, 8:], 2))):
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 def prism_cfg(causal=True, **opts):

@@ -132,7 +132,8 @@ def histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P: int, p_copy=None, ep
 
 
 # =============================================================================================
-# From histograms to position scores (Algorithms 2-4)
+# From histograms to position scores (Algorithms 2-4): as written (the reference), then through
+# the Gram matrix (what the model runs)
 # =============================================================================================
 
 def sinusoid_table(P: int, d: int, device=None) -> torch.Tensor:
@@ -165,17 +166,29 @@ def position_scores(gq, gk, alpha):
     return gq @ gk.transpose(-1, -2) / (O * d) ** 0.5
 
 
-def cursor_scores(gq, gk):
-    """Algorithm 4 before the cursor scales: <gq_c, gk_c> / sqrt(O d) for each cursor.
-    gq, gk: (B, H, O, T, d) -> (B, H, O, T, T). Every block between two position updates reads the
-    same streams with its own alpha, so the hooks compute these once for all of them."""
-    return gq @ gk.transpose(-1, -2) / (gq.shape[2] * gq.shape[4]) ** 0.5
+# ---- the model's path ----------------------------------------------------------------------
+
+def cursor_scores(hist, gram, H: int, d: int):
+    """Algorithms 2-4 up to the cursor scales, from the histograms: each cursor's <g_q, g_k> / sqrt(O d)
+    of the normalised streams. With g = h F (Algorithm 2) every inner product of two streams is one of
+    histograms through the Gram matrix F F^T, <g, g'> = h (F F^T) h'^T, norms included, so the
+    d-wide streams are never formed (fewer operations and far less memory while P is below about 1.5 d).
+    hist: (B, 2 H O, T, P), the query cursors then the key cursors; gram: (P, P), the table's width d
+    -> (B, H, O, T, T): d <g_q, g_k> / (|g_q| |g_k|) / sqrt(O d), the norms over a head's cursors.
+    Every block between two position updates reads these with its own alpha (`mix_cursors`)."""
+    B, N, T, P = hist.shape
+    O = N // (2 * H)
+    hg = hist @ gram                                                      # h F F^T: (B, 2 H O, T, P)
+    sq = (hg * hist).sum(-1).view(B, 2, H, O, T)                          # |g|^2 of each cursor
+    norm = sq.sum(3).clamp(min=1e-12).sqrt()                              # Algorithm 3, over (O, d): (B, 2, H, T)
+    dots = hg[:, :N // 2].view(B, H, O, T, P) @ hist[:, N // 2:].view(B, H, O, T, P).transpose(-1, -2)
+    return dots * (d / O) ** 0.5 / (norm[:, 0, :, None, :, None] * norm[:, 1, :, None, None, :])
 
 
 def mix_cursors(scores, alpha):
-    """sum_c |alpha_{h,c}| scores_c: (B, H, O, T, T), alpha (H, O) -> (B, H, T, T); with
-    `cursor_scores`, `position_scores` reassociated."""
-    return torch.einsum("bhots,ho->bhts", scores, alpha.abs())
+    """sum_c |alpha_{h,c}| scores_c: (B, H, O, T, T), alpha (H, O) -> (B, H, T, T). With
+    `cursor_scores`: `position_scores` of the normalised streams, reassociated."""
+    return (scores * alpha.abs()[:, :, None, None]).sum(2)
 
 
 # =============================================================================================
@@ -304,16 +317,15 @@ class CopyHead(nn.Module):
 
 
 class PrismHooks(Hooks):
-    """Computes the position streams before the chosen blocks and leaves them in ctx for every
-    following block: ctx["prism"] = (g_q, g_k), each (B, H, O, T, d), and their inner products per
-    cursor, ctx["prism_scores"] (`cursor_scores`); ctx["prism_hist"] and ctx["prism_gates"] keep the
-    histograms and gates for plots.
+    """Computes the position streams before the chosen blocks and leaves each cursor's position
+    scores in ctx for every following block: ctx["prism_scores"] (B, H, O, T, T) (`cursor_scores`);
+    ctx["prism_hist"] and ctx["prism_gates"] keep the histograms and gates for plots.
 
-    A cursor moves at most one bin a token, so after T tokens it holds mass only in bins 0..T; the
-    bins past those hold the sharpening's eps alone (about eps^gamma each, far below float32's
-    resolution of the others' sum). Without the copy branch (which can jump to any bin) the scan and
-    the superposition therefore run on the first T + 1 bins only (rounded up to a multiple of 32):
-    the same streams to float32 rounding, in a fraction of the work when P is far above T.
+    A cursor moves at most one bin a token, and a copy jumps to bin s + 1 for a token s <= t, so after
+    T tokens it holds mass only in bins 0..T; the bins past those hold the sharpening's eps alone
+    (about eps^gamma each, far below float32's resolution of the others' sum). The scan and the
+    scores therefore run on the first T + 1 bins only (rounded up to a multiple of 32): the same
+    scores to float32 rounding, in a fraction of the work when P is far above T.
 
     With prism_copy, query cursor 0 of every head gets the copy branch, and its paired key cursor
     only increments (it holds the absolute position the copy jumps to), as in section 6.0.1."""
@@ -339,35 +351,40 @@ class PrismHooks(Hooks):
         self.gamma_raw = nn.Parameter(torch.full((len(self.blocks), n), math.log(math.expm1(GAMMA_INIT - 1))))
         self.copy = bool(o.get("prism_copy", False))
         self.copy_heads = nn.ModuleList(CopyHead(cfg.d_model, self.H) for _ in self.blocks) if self.copy else None
-        self.register_buffer("table", sinusoid_table(self.P, self.d), persistent=False)
+        table = sinusoid_table(self.P, self.d)
+        self.register_buffer("gram", table @ table.T, persistent=False)   # F F^T (`cursor_scores`)
 
     def before_block(self, i, h, ctx):
         if i not in self.blocks:
             return
-        k, (B, T) = self.blocks.index(i), h.shape[:2]
+        k, T = self.blocks.index(i), h.shape[1]
         p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
         gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
+        P = min(self.P, -(-(T + 1) // 32) * 32)                       # the bins a cursor can reach
         p_copy = None
         if self.copy:
             n, O = self.H * self.O, self.O
-            qc = torch.arange(self.H, device=h.device) * O               # query cursor 0 of each head
             cursor = torch.arange(2 * n, device=h.device)
-            count = (cursor >= n) & (cursor % O == 0)                    # their key cursors: increment only
-            one, zero = torch.ones_like(p_inc), torch.zeros_like(p_inc)
+            count = (cursor >= n) & (cursor % O == 0)                    # query cursor 0's key cursors:
+            one, zero = torch.ones_like(p_inc), torch.zeros_like(p_inc)  # increment only
             c = count[None, :, None]
             p_reset, p_dec, p_keep = (torch.where(c, zero, x) for x in (p_reset, p_dec, p_keep))
             p_inc = torch.where(c, one, p_inc)
-            p_copy = torch.zeros(B, 2 * n, T, self.P + 1, device=h.device)
-            p_copy[..., self.P] = 1                                      # everyone else: never copy
-            p_copy = p_copy.index_copy(1, qc, self.copy_heads[k](h, self.P))
-        P = self.P if self.copy else min(self.P, -(-(T + 1) // 32) * 32)   # the bins a cursor can reach
+            p_copy = self.copy_probs(k, h, P)
         hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy)   # (B, 2 H O, T, P)
-        n = self.H * self.O
         with torch.autocast(h.device.type, enabled=False):  # float32: neighbouring bins differ by less
-            g = superpose(hist.float(), self.table[:P])     # than bfloat16 resolves   (B, 2 H O, T, d)
-            ctx["prism"] = (normalise(g[:, :n], self.H), normalise(g[:, n:], self.H))
-            ctx["prism_scores"] = cursor_scores(*ctx["prism"])                      # (B, H, O, T, T)
+            ctx["prism_scores"] = cursor_scores(hist.float(), self.gram[:P, :P], self.H, self.d)  # than bf16 resolves
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
+
+
+    def copy_probs(self, k: int, h, P: int):
+        """p_copy (B, 2 H O, T, P + 1) of the copy branch before block self.blocks[k]: query cursor 0
+        of each head copies (`CopyHead`), every other cursor never does (its last entry 1)."""
+        B, T = h.shape[:2]
+        p_copy = torch.zeros(B, 2 * self.H * self.O, T, P + 1, device=h.device)
+        p_copy[..., P] = 1
+        first = torch.arange(self.H, device=h.device) * self.O            # query cursor 0 of each head
+        return p_copy.index_copy(1, first, self.copy_heads[k](h, P))
 
 
 class PrismAttention(nn.Module):

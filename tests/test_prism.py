@@ -230,41 +230,49 @@ def test_position_scores_by_hand():
     assert torch.allclose(position_scores(gq, gk, alpha), want / math.sqrt(15), atol=1e-5)
 
 
-def test_scores_per_cursor_mixed_by_alpha_are_algorithm_4():
-    """The blocks' path (each cursor's inner products once, then each block's |alpha|) against
-    Algorithm 4 as written, values and gradients (float32 rounding)."""
+def reference_scores(hist, table, H, alpha):
+    """Algorithms 2-4 as written: superpose, normalise the query and the key half, score."""
+    g = superpose(hist, table)
+    n = hist.shape[1] // 2
+    return position_scores(normalise(g[:, :n], H), normalise(g[:, n:], H), alpha)
+
+
+def test_scores_through_the_gram_matrix_are_algorithms_2_to_4():
+    """The model's path (each cursor's scores from the histograms through F F^T, once, then each
+    block's |alpha|) against Algorithms 2-4 as written: values and gradients, float32 rounding; an
+    odd width d and nearly one-hot histograms (sharpened ones) included."""
     torch.manual_seed(0)
-    gq, gk = torch.randn(2, 3, 4, 9, 8, requires_grad=True), torch.randn(2, 3, 4, 7, 8, requires_grad=True)
-    alphas = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]               # two blocks
-    scores = cursor_scores(gq, gk)
+    H, O, T, P, d = 3, 4, 9, 16, 7
+    table = sinusoid_table(P, d)
+    hist = (4 * torch.randn(2, 2 * H * O, T, P)).softmax(-1).requires_grad_()
+    alphas = [torch.randn(H, O, requires_grad=True) for _ in range(2)]          # two blocks
+    scores = cursor_scores(hist, table @ table.T, H, d)
     fast = [mix_cursors(scores, a) for a in alphas]
-    ref = [position_scores(gq, gk, a) for a in alphas]
+    ref = [reference_scores(hist, table, H, a) for a in alphas]
     for f, r in zip(fast, ref):
-        assert f.shape == (2, 3, 9, 7) and torch.allclose(f, r, atol=1e-5)
-    w = torch.randn(2, 3, 9, 7)
-    grads = [torch.autograd.grad(sum((x * w).sum() for x in out), [gq, gk, *alphas]) for out in (fast, ref)]
+        assert f.shape == (2, H, T, T) and torch.allclose(f, r, atol=1e-5)
+    w = torch.randn(2, H, T, T)
+    grads = [torch.autograd.grad(sum((x * w).sum() for x in out), [hist, *alphas]) for out in (fast, ref)]
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-4)
 
 
 @pytest.mark.parametrize("copy", [False, True])
-def test_the_streams_from_the_reachable_bins_equal_those_from_all_bins(copy):
-    """Without the copy branch the hooks scan only the bins a cursor can reach in T tokens (T + 1,
-    rounded up to 32): the streams equal those of the scan over all P = 128 bins to float32 rounding.
-    With the copy branch (a jump can reach any bin) all P bins are scanned."""
+def test_the_scores_from_the_reachable_bins_equal_those_from_all_bins(copy):
+    """The hooks scan only the bins a cursor can reach in T tokens (T + 1, rounded up to 32), the copy
+    branch included: the scores equal Algorithms 2-4 on the scan over all P = 128 bins, float32 rounding."""
     torch.manual_seed(0)
     hooks = PrismHooks(prism_cfg(prism_bins=128, prism_copy=copy))
     h, ctx = torch.randn(2, 20, 32), {}
     hooks.before_block(0, h, ctx)
-    assert ctx["prism_hist"].shape[-1] == (128 if copy else 32)
-    if copy:
-        return
+    assert ctx["prism_hist"].shape[-1] == 32
     gamma = 1 + torch.nn.functional.softplus(hooks.gamma_raw[0])[None]
-    full = histogram_scan(*ctx["prism_gates"], gamma, 128)                       # (B, 2 H O, T, 128)
-    assert float(full[..., 32:].sum(-1).max().detach()) < 1e-9                         # the eps mass alone
-    g = superpose(full, hooks.table)
-    for got, want in zip(ctx["prism"], (normalise(g[:, :8], 2), normalise(g[:, 8:], 2))):
-        assert torch.allclose(got, want, atol=1e-5)
+    p_copy = hooks.copy_probs(0, h, 128) if copy else None
+    full = histogram_scan(*ctx["prism_gates"], gamma, 128, p_copy)              # (B, 2 H O, T, 128)
+    assert float(full[..., 32:].sum(-1).max().detach()) < 1e-8    # the eps mass alone, ~eps^gamma a bin
+    alpha = torch.rand(2, 4) + 0.5
+    want = reference_scores(full, sinusoid_table(128, 8), 2, alpha)
+    assert torch.allclose(mix_cursors(ctx["prism_scores"], alpha), want, atol=1e-4)
 
 
 def prism_cfg(causal=True, **opts):
@@ -277,10 +285,9 @@ def test_hooks_write_position_streams_before_the_chosen_blocks():
     hooks = PrismHooks(prism_cfg(prism_blocks=[1]))
     h, ctx = torch.randn(2, 7, 32), {}
     hooks.before_block(0, h, ctx)
-    assert "prism" not in ctx
+    assert "prism_scores" not in ctx
     hooks.before_block(1, h, ctx)
-    gq, gk = ctx["prism"]
-    assert gq.shape == gk.shape == (2, 2, 4, 7, 8)
+    assert ctx["prism_scores"].shape == (2, 2, 4, 7, 7)                     # (B, H, O, T, T)
     assert torch.allclose(ctx["prism_hist"].sum(-1), torch.ones(2, 16, 7), atol=1e-5)
     assert torch.allclose(1 + torch.nn.functional.softplus(hooks.gamma_raw), torch.full_like(hooks.gamma_raw, 2.0))
 
@@ -298,9 +305,9 @@ def test_position_path_stays_float32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hooks.before_block(0, x, ctx)
         got = layer.weights(q, k, ctx)
-    g = superpose(ctx["prism_hist"].float(), hooks.table)                 # the same histograms in float32
-    assert ctx["prism"][0].dtype == torch.float32 and got.dtype == torch.float32
-    assert torch.allclose(ctx["prism"][0], normalise(g[:, :8], 2), atol=1e-6)
+    assert ctx["prism_scores"].dtype == torch.float32 and got.dtype == torch.float32
+    want = reference_scores(ctx["prism_hist"].float(), sinusoid_table(32, 8), 2, layer.alpha)   # float32 throughout
+    assert torch.allclose(mix_cursors(ctx["prism_scores"], layer.alpha), want, atol=1e-5)
     assert torch.allclose(got, layer.weights(q, k, ctx), atol=1e-6)
 
 

@@ -200,7 +200,7 @@ def test_naive_backend_switch(monkeypatch):
 
 import math  # noqa: E402
 
-from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, cursor_scores, histogram_scan,  # noqa: E402
+from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, cursor_scores,  # noqa: E402
                    mix_cursors, normalise, position_scores, sinusoid_table, superpose)
 from model import Model, ModelConfig  # noqa: E402
 

@@ -1030,12 +1030,14 @@ def reproduce(args, device: str, preset_name: str) -> int:
     todo = {id(cfg) for cfg in everything
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
     part = f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs else None
-    print_plan(everything, todo, mine, args.jobs, part)
+    times = print_plan(everything, todo, mine, args.jobs, part)
     if args.plan:
         return 0
-    # one queue for the runs of every experiment: a GPU that finishes one experiment's runs takes the next one's
-    failed = run_many([cfg for cfg in everything if id(cfg) in todo], args.jobs, resume=not args.force and "auto",
-                      force=args.force, mps=not args.no_mps)
+    # one queue for the runs of every experiment, so that a job (a GPU) done with one experiment's runs takes
+    # the next one's; the longest first (those of unknown time before them), so that the last to end are short
+    queue = sorted((cfg for cfg in everything if id(cfg) in todo),
+                   key=lambda cfg: -math.inf if times[id(cfg)] is None else -times[id(cfg)])
+    failed = run_many(queue, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
@@ -1099,15 +1101,15 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
     return set(picked)
 
 
-def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None):
+def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None) -> dict:
     """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
     and of its part of the list, `part`: "shard I/N" or "--runs K,..."), whether this command trains it
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
     with another seed, per step) or estimated (the run of the same task and method with the closest
-    settings, per step and sequence), else unknown."""
+    settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
     print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part else "")
           + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
-    total, unknown = 0.0, 0
+    total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()
                  else "other shard" if (part or "").startswith("shard") else "not picked")
@@ -1115,6 +1117,7 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
         if state == "train":
             seconds, how = time_of(cfg)
             done = checkpoint_step(cfg)
+            times[id(cfg)] = seconds and seconds * (1 - done / cfg.steps)
             if seconds is None:
                 unknown += 1
                 line += "  time unknown (no run of this task and method on this kind of device yet)"
@@ -1130,6 +1133,7 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
         print(f"  in all about {fmt_time(total / max(1, min(jobs, len(todo))))}"
               + (f" with {jobs} at once, if they share the device evenly" if jobs > 1 else "")
               + (f", plus {unknown} run(s) of unknown time" if unknown else ""))
+    return times
 
 
 def checkpoint_step(cfg: TrainConfig) -> int:
@@ -1151,12 +1155,26 @@ def differences(a: dict, b: dict) -> int:
     return sum(fa.get(k) != fb.get(k) for k in set(fa) | set(fb) if k not in NOT_COST)
 
 
+RESULTS = Path(__file__).parent / "docs" / "results"   # the committed runs: times where --out has none
+
+
 def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     """(seconds, "measured: seedS" | "estimate: LABEL") for one run, from the metrics of runs already
     present on the same kind of device (a GPU's time says nothing of a CPU's): another seed of the same
     run, else the run of the same task and method whose settings differ from this one's in the fewest
-    (its time per step, scaled by the batch size)."""
+    (its time per step, scaled by the batch size). Looked for in --out, then in this repository's
+    committed runs (RESULTS; the label then says "in docs/results")."""
+    seconds, how = time_in(cfg, Path(cfg.out))
+    if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
+        seconds, how = time_in(cfg, RESULTS)
+        how = how.replace(": ", " in docs/results: ", 1)
+    return seconds, how
+
+
+def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
+    """`time_of` from the runs under `out` alone."""
     cpu = device_of(cfg.device) == "cpu"
+    mine = dataclasses.replace(cfg, out=str(out))
 
     def usable(path):
         m = experiments.read_metrics(path, ("wall_s", "config", "device"))
@@ -1165,12 +1183,12 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
 
     def per_step(m):
         return m["wall_s"] / max(1, m["config"]["steps"])
-    for path in sorted(cfg.run_dir().parent.glob("seed*/metrics.json")):
+    for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json")):
         if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size:
             return per_step(m) * cfg.steps, "measured: " + path.parent.name
-    mine = asdict(cfg)
-    others = [(differences(mine, m["config"]), path.parent.parent.name, m)
-              for path in sorted((Path(cfg.out) / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))
+    settings = asdict(cfg)
+    others = [(differences(settings, m["config"]), path.parent.parent.name, m)
+              for path in sorted((out / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))
               if (m := usable(path))]
     if not others:
         return None, ""

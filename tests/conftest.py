@@ -6,3 +6,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_committed_times(monkeypatch, tmp_path_factory):
+    """cli.time_of also reads this repository's committed runs (cli.RESULTS): a test sees only the runs
+    it makes, unless it points cli.RESULTS somewhere itself."""
+    import cli
+    monkeypatch.setattr(cli, "RESULTS", tmp_path_factory.getbasetemp() / "no-committed-results")

@@ -852,3 +852,43 @@ def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):
     assert cli.time_of(cfg) == (pytest.approx(10.0 / 50 * 100), "estimate: from rope-a")
     gpu = make_config({**base, "tag": "c", "device": "cuda"}, "cpu")
     assert cli.time_of(gpu) == (None, "")
+
+
+def test_times_come_from_the_committed_runs_where_out_has_none(tmp_path, monkeypatch):
+    """A fresh --out folder: a run's time is measured on the committed runs (cli.RESULTS) of the same
+    setup, and says so; a run present in --out is preferred."""
+    base = dict(task="copy", method="rope", device="cpu", steps=100, batch_size=8, d_model=32)
+
+    def present(root, wall):
+        cfg = make_config({**base, "out": str(root), "seed": 1}, "cpu")
+        cfg.run_dir().mkdir(parents=True)
+        (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": wall,
+                                                                "device": "cpu (2 cores)"}))
+    monkeypatch.setattr(cli, "RESULTS", tmp_path / "committed")
+    present(tmp_path / "committed", 50.0)
+    cfg = make_config({**base, "out": str(tmp_path / "fresh")}, "cpu")
+    assert cli.time_of(cfg) == (pytest.approx(50.0), "measured in docs/results: seed1")
+    present(tmp_path / "fresh", 20.0)
+    assert cli.time_of(cfg) == (pytest.approx(20.0), "measured: seed1")
+
+
+def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys, tmp_path, monkeypatch):
+    """--reproduce trains its runs longest first by their planned time, those without one first of
+    all, whatever their place in the run list (which --shard and --runs number)."""
+    tiny = dict(task="copy", steps=2, batch_size=4, d_model=16, n_layers=1, n_heads=2, n_eval=4,
+                train_lengths=[1, 2], test_lengths=[2])
+    exp = experiments.Experiment(claim="c", runs=[dict(tiny, method=m) for m in ("nope", "rope", "alibi")],
+                                 paper={}, scaled="tiny", columns=[("len 2", (2, 2), "exact")], seeds=[0])
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", exp)
+    planned = {"nope": (1.0, "measured: seed1"), "rope": (None, ""), "alibi": (5.0, "measured: seed1")}
+    monkeypatch.setattr(cli, "time_of", lambda cfg: planned[cfg.method])
+    order = []
+    real = cli.run
+
+    def record(cfg, *a, **k):
+        order.append(cfg.method)
+        return real(cfg, *a, **k)
+    monkeypatch.setattr(cli, "run", record)
+    code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(tmp_path), "--device", "cpu", "--jobs", "1")
+    assert code == 0 and order == ["rope", "alibi", "nope"]
+    assert stdout.index("copy/nope/seed0") < stdout.index("copy/rope/seed0") < stdout.index("copy/alibi/seed0")

@@ -258,3 +258,20 @@ def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
     loop = json.loads((ramped / "metrics.json").read_text())["eval"]   # the same run, the loop's ramp
     assert ramp["all at s"]["token"][1] == pytest.approx(token(loop, 20))
     assert ramp["all at s"]["token"][3] == pytest.approx(token(loop, 48))
+
+
+def test_multi_gpu_sums_each_experiments_commands_and_gives_the_efficiency(tmp_path):
+    """Two experiments alone (one of them over two commands: 600 + 300 s) against one queue over
+    2 GPUs in two commands (400 + 200 s): 1200 s alone, 600 s over both GPUs, efficiency 1.00."""
+    one, every = tmp_path / "one.txt", tmp_path / "all.txt"
+    one.write_text("a gpu 0 rc 124 start 1000 end 1600\nb gpu 1 rc 0 start 1000 end 1300\n"
+                   "a gpu 0 rc 0 start 5000 end 5300\n")
+    every.write_text("all rc 124 start 100 end 500\nall rc 0 start 900 end 1100\n")
+    out = script("multi_gpu.py", one, every, "--gpus", "2", "--runs", "30")
+    assert "a                    15.0 min alone" in out and "b                     5.0 min" in out, out
+    assert "one experiment after another: 20.0 min (2 experiments)" in out and "2 GPUs, --reproduce all: 10.0 min" in out
+    assert "runs per hour: 90 on one GPU, 180 on 2" in out and "speed-up 2.00x on 2 GPUs; scaling efficiency 1.00" in out
+    every.write_text("all rc 0 start 100\n")
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "multi_gpu.py"), one, every, "--gpus", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "not a line of NAME" in done.stderr

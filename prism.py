@@ -376,7 +376,6 @@ class PrismHooks(Hooks):
             ctx["prism_scores"] = cursor_scores(hist.float(), self.gram[:P, :P], self.H, self.d)  # than bf16 resolves
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
 
-
     def copy_probs(self, k: int, h, P: int):
         """p_copy (B, 2 H O, T, P + 1) of the copy branch before block self.blocks[k]: query cursor 0
         of each head copies (`CopyHead`), every other cursor never does (its last entry 1)."""

@@ -442,7 +442,7 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
             passive_threads() if on_cpu else contextlib.nullcontext(), \
             ProcessPoolExecutor(jobs, mp_context=ctx, **setup) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
-        pending, passed_on = set(futures), False
+        pending, passed_on, ended = set(futures), False, 0
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             if flag["stop"] and not passed_on:   # Ctrl-C reaches every process of the group; `kill PID`
@@ -452,9 +452,10 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(process.pid, signal.SIGTERM)
             for future in done:
-                folder = futures[future].run_dir()
+                folder, ended = futures[future].run_dir(), ended + 1
                 try:
-                    print(f"  [{fmt_time(time.time() - t0)}] done {folder}: {future.result()}", flush=True)
+                    print(f"  [{fmt_time(time.time() - t0)}] done {folder} ({ended} of {len(cfgs)}): {future.result()}",
+                          flush=True)
                 except RunStopped as e:
                     started = str(e) != NOT_STARTED
                     if started:

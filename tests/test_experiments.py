@@ -450,6 +450,7 @@ def test_reproduce_all_puts_every_experiments_runs_in_one_queue(capsys, tmp_path
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, "--reproduce", "all", "--jobs", "2", "--out", str(out), "--device", "cpu")
     assert code == 0 and stdout.count("2 runs, 2 at a time") == 1, stdout
+    assert stdout.count(" (1 of 2): ") == 1 and stdout.count(" (2 of 2): ") == 1         # the count of runs ended
     assert (out / "copy" / "nope" / "seed0" / "train.log").exists() and (out / "copy" / "rope" / "seed0" / "train.log").exists()
     assert "| copy/nope | this repo, last checkpoint" in (out / "reproduce" / "one.md").read_text()
     assert "| copy/rope | this repo, last checkpoint" in (out / "reproduce" / "two.md").read_text()

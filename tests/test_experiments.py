@@ -741,7 +741,7 @@ def test_a_signal_while_a_job_process_waits_for_work_breaks_no_run(tmp_path):
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=120)
     text = out_file.read_text()
-    assert proc.returncode == 130 and "nope/seed0: exact" in text, text[-2000:]
+    assert proc.returncode == 130 and "nope/seed0 (1 of 3): exact" in text, text[-2000:]
     assert "stopped by signal 15: 2 of 3 runs wrote a checkpoint" in text and "failed" not in text, text[-2000:]
     for log in logs:
         assert 1 <= torch.load(log.parent / "checkpoint.pt", weights_only=False)["step"] < 100000

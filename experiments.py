@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from train import save_atomic
+from vipe import S_TEXT, ablation_label
 
 
 # =============================================================================================
@@ -79,6 +80,11 @@ def seed_metrics(method_dir: Path, only: list[int] | None = None,
             if (m := read_metrics(p, keys)) and (only is None or m["seed"] in only)]
 
 
+def ablations(m: dict) -> dict:
+    """A run's "eval_ablations" by name; older ViPE metrics key them by the rule ("per_length", "one")."""
+    return {ablation_label(k) if k in S_TEXT else k: rows for k, rows in m.get("eval_ablations", {}).items()}
+
+
 def summarize(method_dir: Path, only: list[int] | None = None) -> dict | None:
     """Combine every seed's metrics in runs/<task>/<method>/seed*/ (those of the seeds in `only`, if
     given) into the summary that cli.py writes to <method>/metrics.json (None without any): per
@@ -93,9 +99,9 @@ def summarize(method_dir: Path, only: list[int] | None = None) -> dict | None:
                "seeds": [m["seed"] for m in seeds], "train_max_length": train_max,
                "device": ", ".join(dict.fromkeys(m["device"] for m in seeds)), "wall_s": [m["wall_s"] for m in seeds],
                "eval": over_seeds([m["eval"] for m in seeds]), "best_seed": best["seed"], "best_eval": best["eval"]}
-    rules = seeds[0].get("eval_ablations", {})
-    if rules and all(set(m.get("eval_ablations", {})) == set(rules) for m in seeds):
-        summary["ablations"] = {rule: over_seeds([m["eval_ablations"][rule] for m in seeds]) for rule in rules}
+    named = [ablations(m) for m in seeds]
+    if named[0] and all(set(a) == set(named[0]) for a in named):
+        summary["ablations"] = {rule: over_seeds([a[rule] for a in named]) for rule in named[0]}
     return summary
 
 
@@ -448,7 +454,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         checks=[("scan/vipe", "scan/nope", 1), ("scan/nope", "scan/rope", 1), ("scan/rope", "scan/ape", 1)]),
     "prism-copy": Experiment(
         claim="Copy, trained on lengths <= 10, tested to 100: PRISM stays near 100 % to 10x the training length; "
-              "APE with a random position shift fails (paper Fig. 3)",
+              "APE with a random position shift fails (paper Fig. 6)",
         runs=_prism_vs_ape("copy"),
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-50", (21, 50), "exact"),
                  ("51-100", (51, 100), "exact")],
@@ -464,7 +470,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                                                 "embeddings, shift 100)"))),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
-              "20-30 digits, APE fails (paper Fig. 4)",
+              "20-30 digits, APE fails (paper Fig. 1)",
         runs=_prism_vs_ape("add_cot"),
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
         paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
@@ -479,7 +485,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                                                 "embeddings, shift 100)"))),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
-              "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5-10)",
+              "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5, 8, 10, 3, 9 and 4, "
+              "in that order)",
         runs=_PRISM_MORE,
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
@@ -521,7 +528,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                          "at once under MPS on one H200 (wall: each run's share)")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
-              "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails",
+              "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails (UPE paper Fig. 4 "
+              "and 5)",
         runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
                    n_layers=6 if d == 1 else 9) for d in (1, 3) for m in ("ape", "rpe", "upe")],
         columns=[("k=5 (train)", (5, 5), "exact"), ("k=6-10", (6, 10), "exact"), ("k=11-15", (11, 15), "exact"),

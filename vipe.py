@@ -152,6 +152,12 @@ S_RULES = ("fixed", "per_length", "one")
 S_TEXT = {"fixed": "s = L_test_max / L_train_max", "per_length": "s = L / L_train_max per length", "one": "s = 1"}
 
 
+def ablation_label(rule: str) -> str:
+    """The name of a rule's rows in a run's "eval_ablations" (metrics written before these names keyed
+    the rows by the rule itself: experiments.summarize reads both)."""
+    return S_TEXT[rule] + ", no fine-tuning"
+
+
 def compression(rule: str, L: int, train_max: int, test_max: int) -> float:
     """ViPE's test-time factor s at length L: "fixed" s = test_max / train_max at every length
     beyond training (the paper's eq. 7, after a short fine-tuning with it), "per_length"
@@ -183,7 +189,7 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
             run.log(f"  fine-tuned {steps} steps with s = {test_max} / {top}" + (", ramped from 1" if rising else ""))
         after = run.evaluate([L for L in run.test_lengths if L > top], rules[rule])
     rows = [r for r in before["one"] if r["length"] <= top] + [r for r in after if r["length"] > top]
-    ablations = {S_TEXT[r] + ", no fine-tuning": rows_ for r, rows_ in before.items() if r != rule}
+    ablations = {ablation_label(r): rows_ for r, rows_ in before.items() if r != rule}
     return rows, {"eval_ablations": ablations}
 
 

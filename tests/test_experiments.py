@@ -893,3 +893,19 @@ def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys
     code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(tmp_path), "--device", "cpu", "--jobs", "1")
     assert code == 0 and order == ["rope", "alibi", "nope"]
     assert stdout.index("copy/nope/seed0") < stdout.index("copy/rope/seed0") < stdout.index("copy/alibi/seed0")
+
+
+def test_older_vipe_metrics_name_their_rules_as_newer_ones_do(tmp_path):
+    """ViPE metrics written before the rules were named key their rows "per_length" and "one": the
+    summary (and so the table) names them as newer runs do, and seeds of either kind combine."""
+    import vipe
+    rows = fake_rows([1.0, 0.5, 0.0])
+    old = {**fake_seed(0, 0.9, [1.0, 0.4, 0.0], []), "eval_ablations": {"per_length": rows, "one": rows}}
+    new = {**fake_seed(1, 0.9, [1.0, 0.6, 0.0], []),
+           "eval_ablations": {vipe.ablation_label("per_length"): rows, vipe.ablation_label("one"): rows}}
+    out = write_seeds(tmp_path / "runs", [old, new])
+    summary = json.loads((out / "copy" / "rope" / "metrics.json").read_text())
+    assert list(summary["ablations"]) == ["s = L / L_train_max per length, no fine-tuning", "s = 1, no fine-tuning"]
+    exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], paper={}, scaled="s",
+                                 columns=[("len 10", (10, 10), "exact")], seeds=[0, 1])
+    assert "| copy/rope | this repo, s = 1, no fine-tuning | 0.500 (0.50-0.50) |" in experiments.experiment_table("x", exp, out)

@@ -651,8 +651,8 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
     if not exp.checks:
         return "\n".join(lines)
     word, checks = verdict(exp, out)
-    lines += ["", f"Verdict (each comparison in the mean over seeds and in 2 of 3 seeds, a threshold in the mean; "
-                  f"last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
+    lines += ["", "Verdict (each comparison in the mean over seeds and in two thirds of the seeds (2 of 3, 4 of 5), "
+                  f"a threshold in the mean; last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines)
 
 

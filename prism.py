@@ -372,8 +372,9 @@ class PrismHooks(Hooks):
             p_inc = torch.where(c, one, p_inc)
             p_copy = self.copy_probs(k, h, P)
         hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy)   # (B, 2 H O, T, P)
-        with torch.autocast(h.device.type, enabled=False):  # float32: neighbouring bins differ by less
-            ctx["prism_scores"] = cursor_scores(hist.float(), self.gram[:P, :P], self.H, self.d)  # than bf16 resolves
+        # float32 (no autocast): the scores of neighbouring bins differ by less than bfloat16 resolves
+        with torch.autocast(h.device.type, enabled=False):
+            ctx["prism_scores"] = cursor_scores(hist.float(), self.gram[:P, :P], self.H, self.d)
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
 
     def copy_probs(self, k: int, h, P: int):
@@ -418,7 +419,7 @@ class PrismAttention(nn.Module):
 
     def forward(self, x, ctx):
         if "prism_scores" not in ctx:
-            raise RuntimeError("PrismAttention needs ctx['prism'] from PrismHooks (use --method prism)")
+            raise RuntimeError("PrismAttention needs ctx['prism_scores'] from PrismHooks (use --method prism)")
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
         o = self.weights(q, k, ctx).to(v.dtype) @ v

@@ -1118,12 +1118,11 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
         if state == "train":
             seconds, how = time_of(cfg)
             done = checkpoint_step(cfg)
-            times[id(cfg)] = seconds and seconds * (1 - done / cfg.steps)
+            times[id(cfg)] = seconds = None if seconds is None else seconds * (1 - done / cfg.steps)
             if seconds is None:
                 unknown += 1
                 line += "  time unknown (no run of this task and method on this kind of device yet)"
             else:
-                seconds *= 1 - done / cfg.steps
                 total += seconds
                 line += f"  {fmt_time(seconds)} ({how})"
             line += f", from its checkpoint at step {done}" if done else ""

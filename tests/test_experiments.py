@@ -84,13 +84,19 @@ def test_reproduce_sweep_figure(capsys, tmp_path, monkeypatch):
     assert "| copy/rope-L2-full | this repo, last checkpoint" in (out / "reproduce" / "sweep-full.md").read_text()
 
 
-def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
+def two_tiny_experiments(monkeypatch, tmp_path) -> Path:
+    """experiments.EXPERIMENTS replaced by "one" (copy/nope) and "two" (copy/rope), one tiny run each;
+    returns the output folder for them."""
     tiny = dict(task="copy", steps=3, batch_size=8, d_model=32, n_layers=1, n_heads=2, n_eval=8,
                 train_lengths=[1, 2], test_lengths=[2])
     exps = {name: experiments.Experiment(claim=f"claim {name}", runs=[dict(tiny, method=m)], paper={}, scaled="tiny",
-                                   columns=[("len 2", (2, 2), "exact")]) for name, m in (("one", "nope"), ("two", "rope"))}
+                                         columns=[("len 2", (2, 2), "exact")]) for name, m in (("one", "nope"), ("two", "rope"))}
     monkeypatch.setattr(experiments, "EXPERIMENTS", exps)
-    out = tmp_path / "runs"
+    return tmp_path / "runs"
+
+
+def test_reproduce_all_writes_one_table(capsys, tmp_path, monkeypatch):
+    out = two_tiny_experiments(monkeypatch, tmp_path)
     code, stdout, _ = run_cli(capsys, "--reproduce", "all", "--out", str(out), "--device", "cpu")
     assert code == 0
     text = (out / "reproduce" / "all.md").read_text()
@@ -442,12 +448,7 @@ def test_reproduce_all_puts_every_experiments_runs_in_one_queue(capsys, tmp_path
     """--reproduce all --jobs 2 with two experiments of one run each: one pool trains both at once
     (one experiment at a time would train each run alone, leaving a job, or a GPU, idle), and each
     experiment's table is then written from its own run."""
-    tiny = dict(task="copy", steps=3, batch_size=8, d_model=16, n_layers=1, n_heads=2, n_eval=4,
-                train_lengths=[1, 2], test_lengths=[2])
-    exps = {name: experiments.Experiment(claim=f"claim {name}", runs=[dict(tiny, method=m)], paper={}, scaled="tiny",
-                                         columns=[("len 2", (2, 2), "exact")]) for name, m in (("one", "nope"), ("two", "rope"))}
-    monkeypatch.setattr(experiments, "EXPERIMENTS", exps)
-    out = tmp_path / "runs"
+    out = two_tiny_experiments(monkeypatch, tmp_path)
     code, stdout, _ = run_cli(capsys, "--reproduce", "all", "--jobs", "2", "--out", str(out), "--device", "cpu")
     assert code == 0 and stdout.count("2 runs, 2 at a time") == 1, stdout
     assert stdout.count(" (1 of 2): ") == 1 and stdout.count(" (2 of 2): ") == 1         # the count of runs ended

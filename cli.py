@@ -789,6 +789,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--methods", help="several methods, comma-separated")
     g.add_argument("--seeds", help="comma-separated seeds (default 0); with --reproduce: only these of the "
                    "experiment's seeds (its table then stands on them, e.g. 3 of ViPE's 8)")
+    g.add_argument("--labels", metavar="RUN,...", help="with --reproduce: only these of the experiment's runs, "
+                   "by folder name (e.g. vipe-L3,nope-L3; task/name for one task's); its table and verdict then "
+                   "stand on them")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
                    "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
@@ -923,8 +926,9 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    if args.shard or args.runs or args.budget or args.plan:
-        flag = "--shard" if args.shard else "--runs" if args.runs else "--budget" if args.budget else "--plan"
+    if args.shard or args.runs or args.budget or args.plan or args.labels:
+        flag = ("--shard" if args.shard else "--runs" if args.runs else "--budget" if args.budget else "--plan"
+                if args.plan else "--labels")
         raise UsageError(f"{flag} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
@@ -1012,7 +1016,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     if args.reproduce not in defined + ["all"]:
         raise UsageError(f"experiment {args.reproduce} has no {budget} setup yet; --budget {budget} is defined for: "
                          f"{', '.join(defined) or 'none'}")
-    EXPERIMENTS = {name: some_seeds(experiments.at_budget(experiments.EXPERIMENTS[name], budget), name, args.seeds)
+    EXPERIMENTS = {name: some_runs(some_seeds(experiments.at_budget(experiments.EXPERIMENTS[name], budget), name,
+                                              args.seeds), name, args.labels)
                    for name in names}
     suffix = "" if budget == "quick" else f"-{budget}"
     shard, n_shards = parse_shard(args.shard)
@@ -1077,6 +1082,30 @@ def some_seeds(exp: experiments.Experiment, name: str, text: str | None) -> expe
     seeds = [s for s in exp.seeds if s in chosen]
     return dataclasses.replace(exp, seeds=seeds, scaled=f"{exp.scaled}; this table: seeds {', '.join(map(str, seeds))} "
                                f"of its {', '.join(map(str, exp.seeds))}")
+
+
+def some_runs(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:
+    """The experiment on the runs of --labels only (all of them if None): each item a run's folder name
+    ("vipe-L3"; the budget's "-full" may be left out) or task/folder for one task's. Its checks keep the
+    comparisons between chosen runs alone, so that its verdict stands on them."""
+    if text is None:
+        return exp
+    keys = [(run["task"], run["method"] + (f"-{run['tag']}" if run.get("tag") else "")) for run in exp.runs]
+    def picks(item, key):
+        task, _, label = item.rpartition("/")
+        return task in ("", key[0]) and label in (key[1], key[1].removesuffix("-full"))
+    items = parse_list(text, str, "--labels")
+    unknown = [item for item in items if not any(picks(item, key) for key in keys)]
+    if unknown or len(set(items)) < len(items):
+        known = ", ".join(dict.fromkeys(f"{t}/{label}" for t, label in keys))
+        raise UsageError(f"--labels takes distinct runs of the experiment's own ({name}: {known}), got {text!r}")
+    chosen = [k for k, key in enumerate(keys) if any(picks(item, key) for item in items)]
+    if len(chosen) == len(keys):
+        return exp
+    runs = {"/".join(keys[k]) for k in chosen}
+    checks = [c for c in exp.checks if all(x in runs for x in c[:2] if isinstance(x, str))]
+    return dataclasses.replace(exp, runs=[exp.runs[k] for k in chosen], checks=checks,
+                               scaled=f"{exp.scaled}; this table: the runs {', '.join(sorted(runs))} alone")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:

@@ -281,6 +281,36 @@ def test_seeds_pick_some_of_the_experiments_seeds_and_the_table_stands_on_them(c
     assert json.loads((out / "copy" / "nope" / "metrics.json").read_text())["seeds"] == [1]
 
 
+def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them(capsys, tmp_path, monkeypatch):
+    """--labels rope trains rope's runs only and writes the table from them: no nope row, and the verdict
+    keeps the threshold on rope but drops the comparison with nope (with all of the experiment's runs,
+    a check on a missing run reads "not run"). A label the experiment does not have, or one named twice,
+    is one line and trains nothing; task/label and the full budget's suffix name a run as well."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], checks=[("copy/rope", "copy/nope", 0), ("copy/rope", 2.0, 0)]))
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    for bad in ("alibi", "rope,rope", "scan/rope", "copy/"):
+        code, _, err = run_cli(capsys, *args, "--labels", bad)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and not out.exists(), (bad, err)
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--labels", "rope")
+    assert code == 2 and "--labels applies with --reproduce NAME only" in err
+    code, stdout, _ = run_cli(capsys, *args, "--labels", "copy/rope")
+    assert code == 0 and "2 runs; 2 to train" in stdout and present(out) == ["copy/rope/seed0", "copy/rope/seed1"]
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert "this table: the runs copy/rope alone" in table and "copy/nope" not in table
+    assert "0 of 1 checks hold**" in table and "- copy/rope above 2 in len 2" in table   # 2 seeds: no verdict
+    code, stdout, _ = run_cli(capsys, *args, "--labels", "rope,nope", "--plan")   # all of them: as it is
+    assert code == 0 and "4 runs; 2 to train" in stdout
+    full = dataclasses.replace(experiments.EXPERIMENTS["tiny"], full=dict(
+        runs=experiments.EXPERIMENTS["tiny"].runs, seeds=[0], scaled="tiny full"))
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", full)
+    code, stdout, _ = run_cli(capsys, *args, "--budget", "full", "--labels", "nope", "--plan")
+    assert code == 0 and "1 runs; 1 to train" in stdout and "copy/nope-full/seed0" in stdout
+    code, stdout, _ = run_cli(capsys, *args, "--budget", "full", "--labels", "nope-full,rope", "--plan")
+    assert code == 0 and "2 runs; 2 to train" in stdout
+
+
 def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys, tmp_path, monkeypatch):
     """--plan prints the run list and stops; a run present on a GPU gives no time for the CPU's runs."""
     out = tiny_seeded(tmp_path, monkeypatch)

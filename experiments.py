@@ -349,10 +349,11 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
               "1,000 examples) with a width of 210 for its 192 (35 heads must divide it) and 40k of its 150k steps "
               "(27 %); the gate head starting to count as in the quick runs (the paper gives no initialisation); "
-              "{more}; not run: at this size PRISM trains add_cot at 8.3 steps/s alone on one H200 (commit 95c1fe6), "
-              "so 40k steps and their 41 evaluations (23 s each) take about 1h36m against the 9 minutes a run may "
-              "take; mul_cot's 1280 bins ran out of the H200's 140 GB before the scan was cut to the bins a cursor "
-              "reaches, not tried since (docs/perf/training.md, \"The full budget's runs alone\")")
+              "{more}; not run: at this size PRISM trains add_cot at 17.5 steps/s alone on one H200 (commit 6aef7cf) "
+              "and evaluates it in 14.5 s, so 40k steps and their 41 evaluations take about 48 minutes against the 9 "
+              "a run may take, which hold about 7k steps (5 % of the paper's) with its evaluation every 1k steps "
+              "(copy: 85 steps/s, 30 s an evaluation, about 12k steps; reverse: about 5k); stack and mul_cot gave "
+              "no timing yet (docs/perf/training.md, \"The full budget's runs alone\")")
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),

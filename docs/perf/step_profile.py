@@ -59,6 +59,10 @@ def config(run: dict, device: str, tiny: bool, compile_: bool) -> train.TrainCon
     return cfg
 
 
+def say(line: str):
+    print(line, flush=True)
+
+
 def sync(device: str):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -83,6 +87,10 @@ def main(argv=None) -> int:
     cfg = config(run, device, a.tiny, a.compile)
     task = TASKS[cfg.task]
     length = max(cfg.train_lengths or task.train_lengths)
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    name = f"{a.experiment} ({a.budget}) {cfg.task}/{cfg.run_dir().parent.name}"
+    say(f"{name}: batch {cfg.batch_size} at length {length}, {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
+        f"on {where}")                                  # each part as soon as it is measured
     rng = np.random.default_rng(0)
     data = [task.sample(cfg.batch_size, length, rng, **cfg.task_opts) for _ in range(a.warm + a.steps)]
     torch.manual_seed(cfg.seed)
@@ -101,6 +109,9 @@ def main(argv=None) -> int:
     sync(device)
     rate = a.steps / (time.perf_counter() - tic)
     step.release()
+    say(f"(1) train.Step{' with CUDA graphs' if device.startswith('cuda') else ''}"
+        f"{' (compiled)' if a.compile else ''}: {rate:.1f} steps/s ({1e3 / rate:.2f} ms a step)"
+        + (f", {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB at most" if device.startswith("cuda") else ""))
 
     cfg.graphs = cfg.compile = False                                    # (2), (3): every kernel seen
     eager = train.Step(model, model, opt, cfg, task, device)
@@ -128,6 +139,11 @@ def main(argv=None) -> int:
             per[evt.key] += us / 1e3 / a.steps
     busy = sum(per.values())
     top = sorted(per.items(), key=lambda kv: -kv[1])[:a.top]
+    say(f"(2) one eager step: {busy:.2f} ms of {'device' if device.startswith('cuda') else 'CPU'} time in "
+        f"{wall:.2f} ms wall (profiled)" + (f", {launches / a.steps:.0f} kernels" if launches else ""))
+    say("(3) by kernel / operator, ms per step:")
+    for key, ms in top:
+        say(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
 
     sets = [(cfg.test_lengths or task.test_lengths, 1)] + ([(cfg.held_out_lengths, 2)] if cfg.held_out_lengths else [])
     sync(device)
@@ -140,19 +156,8 @@ def main(argv=None) -> int:
     n_evals = 1 + (cfg.steps // cfg.eval_every if cfg.eval_every else 0)   # during training, and the final one
     projected = cfg.steps / rate + n_evals * eval_s
 
-    where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    name = f"{a.experiment} ({a.budget}) {cfg.task}/{cfg.run_dir().parent.name}"
-    print(f"{name}: batch {cfg.batch_size} at length {length}, {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
-          f"on {where}")
-    print(f"(1) train.Step{' with CUDA graphs' if device.startswith('cuda') else ''}"
-          f"{' (compiled)' if a.compile else ''}: {rate:.1f} steps/s ({1e3 / rate:.2f} ms a step)")
-    print(f"(2) one eager step: {busy:.2f} ms of {'device' if device.startswith('cuda') else 'CPU'} time in "
-          f"{wall:.2f} ms wall (profiled)" + (f", {launches / a.steps:.0f} kernels" if launches else ""))
-    print("(3) by kernel / operator, ms per step:")
-    for key, ms in top:
-        print(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
-    print(f"(4) one evaluation: {eval_s:.1f} s; the run alone: {cfg.steps} steps at (1)'s rate + {n_evals} "
-          f"evaluations = {train.fmt_time(projected)} (projected)")
+    say(f"(4) one evaluation: {eval_s:.1f} s; the run alone: {cfg.steps} steps at (1)'s rate + {n_evals} "
+        f"evaluations = {train.fmt_time(projected)} (projected)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,

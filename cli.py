@@ -1053,8 +1053,10 @@ def reproduce(args, device: str, preset_name: str) -> int:
                   "its table waits for them (run --reproduce again, without --shard or --runs, once they are)")
             continue
         write_summaries(cfgs, own_seeds=True)
-        for task in sorted({c.task for c in cfgs}):
+        for task in sorted({c.task for c in cfgs}):      # the task's every run, then this experiment's alone
             plot_task(out / task)
+            mine = {c.run_dir().parent.name for c in cfgs if c.task == task}
+            print(f"wrote {plot_task(out / task, mine, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
         table = experiment_table(name, EXPERIMENTS[name], out)
         save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
         if EXPERIMENTS[name].sweep:

@@ -161,16 +161,17 @@ def one_seed(rows: list[dict], m: dict, selector, metric: str) -> float | None:
     return None if nums is None else nums[0]
 
 
-def plot_task(task_dir: Path) -> Path | None:
-    """runs/<task>/extrapolation.png: every method run on the task; mean over seeds with the
-    min-max spread; a dashed line at the maximum training length."""
+def plot_task(task_dir: Path, only: set[str] | None = None, path: Path | None = None) -> Path | None:
+    """runs/<task>/extrapolation.png: every method run on the task (or the run folders named in `only`,
+    drawn to `path`, with each run's other readings of ViPE's s as broken lines of its colour); mean over
+    seeds with the min-max spread; a dashed grey line at the maximum training length."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     summaries = []
     for d in sorted(task_dir.iterdir()):
-        if d.is_dir() and (d / "metrics.json").exists():
+        if d.is_dir() and (d / "metrics.json").exists() and (only is None or d.name in only):
             summary = read_metrics(d / "metrics.json", ("task", "eval", "label", "seeds", "train_max_length"))
             summaries += [summary] if summary else []
     if not summaries:
@@ -204,14 +205,21 @@ def plot_task(task_dir: Path) -> Path | None:
             line, = ax.plot(xs, [p["exact"] for p in s["eval"]], marker=".", label=f"{s['label']} ({len(s['seeds'])} seeds)")
             ax.fill_between(xs, [p["exact_min"] for p in s["eval"]], [p["exact_max"] for p in s["eval"]],
                             color=line.get_color(), alpha=0.15)
+            for (rule, points), style in zip(s.get("ablations", {}).items() if only else [], ("--", ":", "-.")):
+                ax.plot([p["length"] for p in points], [p["exact"] for p in points], linestyle=style,  # ViPE's
+                        color=line.get_color(), label=f"{s['label']}, {rule}")                       # other readings
         ax.axvline(summaries[0]["train_max_length"], color="gray", linestyle="--", label="max train length")
         ax.set_xlabel("problem length")
         ax.set_ylabel("exact-match accuracy")
         ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if len(ax.get_legend_handles_labels()[0]) > 12:        # beside the axes, where it hides no line
+        fig.set_size_inches(10, 4.2)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    path = task_dir / "extrapolation.png"
+    path = path or task_dir / "extrapolation.png"
     save_atomic(fig, path, dpi=110)        # its own temporary name: two commands may draw one task at once
     plt.close(fig)
     return path

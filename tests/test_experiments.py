@@ -285,7 +285,8 @@ def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them
     """--labels rope trains rope's runs only and writes the table from them: no nope row, and the verdict
     keeps the threshold on rope but drops the comparison with nope (with all of the experiment's runs,
     a check on a missing run reads "not run"). A label the experiment does not have, or one named twice,
-    is one line and trains nothing; task/label and the full budget's suffix name a run as well."""
+    is one line and trains nothing; task/label and the full budget's suffix name a run as well.
+    reproduce/tiny-copy.png draws the experiment's runs alone, beside the task's figure of every run."""
     out = tiny_seeded(tmp_path, monkeypatch)
     monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
         experiments.EXPERIMENTS["tiny"], checks=[("copy/rope", "copy/nope", 0), ("copy/rope", 2.0, 0)]))
@@ -300,8 +301,16 @@ def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them
     table = (out / "reproduce" / "tiny.md").read_text()
     assert "this table: the runs copy/rope alone" in table and "copy/nope" not in table
     assert "0 of 1 checks hold**" in table and "- copy/rope above 2 in len 2" in table   # 2 seeds: no verdict
+    figure = out / "reproduce" / "tiny-copy.png"                   # the experiment's runs, here rope's alone
+    rope_alone = figure.read_bytes()
+    assert rope_alone == (out / "copy" / "extrapolation.png").read_bytes()
+    code, _, _ = run_cli(capsys, *args)                                            # nope's runs too
+    assert code == 0 and figure.read_bytes() != rope_alone
+    code, stdout, _ = run_cli(capsys, *args, "--labels", "rope")
+    assert code == 0 and "0 to train" in stdout and figure.read_bytes() == rope_alone
+    assert (out / "copy" / "extrapolation.png").read_bytes() != rope_alone       # the task's figure: both
     code, stdout, _ = run_cli(capsys, *args, "--labels", "rope,nope", "--plan")   # all of them: as it is
-    assert code == 0 and "4 runs; 2 to train" in stdout
+    assert code == 0 and "4 runs; 0 to train" in stdout
     full = dataclasses.replace(experiments.EXPERIMENTS["tiny"], full=dict(
         runs=experiments.EXPERIMENTS["tiny"].runs, seeds=[0], scaled="tiny full"))
     monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", full)
@@ -840,7 +849,8 @@ def test_every_experiment_has_three_seeds_at_both_budgets():
 
 def test_readme_verdicts_are_those_of_the_committed_metrics():
     """README's "the rule's verdict" column, row by row and budget by budget, against experiments.verdict
-    on docs/results; a full budget reads "not run" unless its runs are there."""
+    on docs/results; a full budget reads "not run" unless its runs are there, and one built with --labels
+    names its runs ("checks of vipe-L3, nope-L3") and is checked on them."""
     import re
     root = Path(__file__).resolve().parents[1]
     rows = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `")
@@ -860,8 +870,12 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
             assert full == "no full setup", name
         elif full == "not run":
             assert not cell(experiments.at_budget(exp, "full")).startswith(("yes", "no ", "partly")), name
-        else:
-            assert full == cell(experiments.at_budget(exp, "full")), (name, full)
+        else:                                  # "no (0/2 checks of vipe-L3, nope-L3)": a table of some runs
+            full_exp = experiments.at_budget(exp, "full")
+            if " checks of " in full:
+                full, labels = full.rstrip(")").split(" checks of ")
+                full, full_exp = full + " checks)", cli.some_runs(full_exp, name, labels.replace(" ", ""))
+            assert full == cell(full_exp), (name, full)
 
 
 def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):

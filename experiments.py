@@ -199,6 +199,16 @@ def plot_task(task_dir: Path, only: set[str] | None = None, path: Path | None = 
         ax.set_yscale("symlog", linthresh=0.1)
         ax.set_ylim(0, 100)
         title = f"{task}: error by evaluation setting"
+    elif all(len(s["eval"]) == 1 for s in summaries):   # one test length (MQRAR): token accuracy, a bar a run
+        acc = [s["eval"][0]["token"] for s in summaries]
+        lo, hi = [s["eval"][0]["token_min"] for s in summaries], [s["eval"][0]["token_max"] for s in summaries]
+        ax.bar(range(len(summaries)), acc, yerr=[np.subtract(acc, lo), np.subtract(hi, acc)],
+               color=[plt.cm.tab20.colors[k % 20] for k in range(len(summaries))])
+        ax.set_xticks(range(len(summaries)), [f"{s['label']} ({len(s['seeds'])})" for s in summaries],
+                      rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel(f"token accuracy at length {summaries[0]['eval'][0]['length']}")
+        ax.set_ylim(0, 1.02)
+        title = f"{task}: token accuracy by run (seeds in brackets)"
     else:
         for s in summaries:
             xs = [p["length"] for p in s["eval"]]
@@ -213,10 +223,11 @@ def plot_task(task_dir: Path, only: set[str] | None = None, path: Path | None = 
         ax.set_ylabel("exact-match accuracy")
         ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
-    if len(ax.get_legend_handles_labels()[0]) > 12:        # beside the axes, where it hides no line
+    entries = len(ax.get_legend_handles_labels()[0])
+    if entries > 12:                                         # beside the axes, where it hides no line
         fig.set_size_inches(10, 4.2)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    else:
+    elif entries:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = path or task_dir / "extrapolation.png"

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -954,3 +955,22 @@ def test_older_vipe_metrics_name_their_rules_as_newer_ones_do(tmp_path):
     exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], paper={}, scaled="s",
                                  columns=[("len 10", (10, 10), "exact")], seeds=[0, 1])
     assert "| copy/rope | this repo, s = 1, no fine-tuning | 0.500 (0.50-0.50) |" in experiments.experiment_table("x", exp, out)
+
+
+def test_a_task_of_one_test_length_is_drawn_as_bars_of_token_accuracy(tmp_path, monkeypatch):
+    """MQRAR tests one length: its figure has a bar a run at the mean token accuracy, the min-max over
+    seeds as the error bar, and the runs' labels under the bars (a line plot would be one point each)."""
+    import matplotlib.pyplot as plt
+    for label, tok in (("path-N2", [1.0, 0.98]), ("rope-N2", [0.5, 0.7])):
+        (tmp_path / label).mkdir()
+        point = {"length": 384, "variant": None, "name": "384", "exact": 0.1, "exact_min": 0.0, "exact_max": 0.2,
+                 "token": float(np.mean(tok)), "token_min": min(tok), "token_max": max(tok)}
+        (tmp_path / label / "metrics.json").write_text(json.dumps(
+            {"task": "mqrar", "eval": [point], "label": label, "seeds": [0, 1], "train_max_length": 384}))
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    assert experiments.plot_task(tmp_path) == tmp_path / "extrapolation.png"
+    ax = drawn[0].axes[0]
+    assert [round(b.get_height(), 6) for b in ax.patches] == [0.99, 0.6]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["path-N2 (2)", "rope-N2 (2)"]
+    assert "token accuracy at length 384" in ax.get_ylabel()

@@ -926,10 +926,10 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    if args.shard or args.runs or args.budget or args.plan or args.labels:
-        flag = ("--shard" if args.shard else "--runs" if args.runs else "--budget" if args.budget else "--plan"
-                if args.plan else "--labels")
-        raise UsageError(f"{flag} applies with --reproduce NAME only")
+    given = [flag for flag, value in (("--shard", args.shard), ("--runs", args.runs), ("--budget", args.budget),
+                                      ("--plan", args.plan), ("--labels", args.labels)) if value]
+    if given:
+        raise UsageError(f"{given[0]} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -1055,8 +1055,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
         write_summaries(cfgs, own_seeds=True)
         for task in sorted({c.task for c in cfgs}):      # the task's every run, then this experiment's alone
             plot_task(out / task)
-            mine = {c.run_dir().parent.name for c in cfgs if c.task == task}
-            print(f"wrote {plot_task(out / task, mine, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
+            folders = {c.run_dir().parent.name for c in cfgs if c.task == task}
+            print(f"wrote {plot_task(out / task, folders, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
         table = experiment_table(name, EXPERIMENTS[name], out)
         save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
         if EXPERIMENTS[name].sweep:
@@ -1092,7 +1092,7 @@ def some_runs(exp: experiments.Experiment, name: str, text: str | None) -> exper
     comparisons between chosen runs alone, so that its verdict stands on them."""
     if text is None:
         return exp
-    keys = [(run["task"], run["method"] + (f"-{run['tag']}" if run.get("tag") else "")) for run in exp.runs]
+    keys = [(run["task"], experiments.run_label(run)) for run in exp.runs]
     def picks(item, key):
         task, _, label = item.rpartition("/")
         return task in ("", key[0]) and label in (key[1], key[1].removesuffix("-full"))

@@ -262,6 +262,11 @@ class Experiment:
 BUDGETS = ("quick", "full")
 
 
+def run_label(run: dict) -> str:
+    """A run's folder name under its task: "vipe-L3-full" for method vipe, tag "L3-full"."""
+    return run["method"] + (f"-{run['tag']}" if run.get("tag") else "")
+
+
 def run_of(name: str, task: str) -> dict:
     """The settings of experiment `name`'s (first) run on `task`, as its `runs` list gives them."""
     return next(run for run in EXPERIMENTS[name].runs if run["task"] == task)
@@ -643,7 +648,7 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
               "| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- | --- |"]
     seen = []
     for run in exp.runs:
-        label = run["method"] + (f"-{run['tag']}" if run.get("tag") else "")
+        label = run_label(run)
         key = (run["task"], label)
         if key in seen:
             continue

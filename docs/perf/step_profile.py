@@ -41,8 +41,7 @@ def pick(name: str, budget: str, task: str | None, label: str | None) -> dict:
     `label` (any if None)."""
     exp = experiments.at_budget(experiments.EXPERIMENTS[name], budget)
     for run in exp.runs:
-        folder = "-".join(t for t in (run["method"], run.get("tag", "")) if t)
-        if (task is None or run["task"] == task) and (label is None or folder == label):
+        if (task is None or run["task"] == task) and (label is None or experiments.run_label(run) == label):
             return run
     raise SystemExit(f"{name} ({budget}) has no run with task {task} and label {label}")
 

@@ -361,20 +361,22 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # The PRISM paper's setup (its section 6.4 and appendix): 5 layers; 140 cursors as 35 heads of 4 (the model
 # needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
-# curriculum on its schedule; evaluated every 1k steps on 1,000 examples, reported as the mean of the 3 best.
+# curriculum on its schedule; evaluated every 1k steps once the loss is below 0.1, on 1,000 examples, reported as
+# the mean of the 3 best.
 # Its 150k steps: 40k here (by then the length-40 tasks have reached their last stage); at this size a
 # PRISM step is too slow for that to fit the 9 minutes a run may take (PRISM_FULL says by how much).
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
-                   curriculum_steps=5000, eval_every=1000, n_eval=1000, steps=40_000)
+                   curriculum_steps=5000, eval_every=1000, eval_from_loss=0.1, n_eval=1000, steps=40_000)
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
 # Its baseline: 5 layers, 8 heads, width 512, tied embeddings, randomly shifted sinusoidal APE.
 PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shift=100)
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
-              "1,000 examples) with a width of 210 for its 192 (35 heads must divide it) and 40k of its 150k steps "
-              "(27 %); the gate head starting to count as in the quick runs (the paper gives no initialisation); "
+              "1,000 examples, every 1k steps once the loss is below 0.1) with a width of 210 for its 192 (35 heads "
+              "must divide it) and 40k of its 150k steps (27 %); the gate head starting to count as in the quick "
+              "runs (the paper gives no initialisation); "
               "{more}; not run: at this size PRISM trains add_cot at 17.5 steps/s alone on one H200 (commit 6aef7cf) "
-              "and evaluates it in 14.5 s, so 40k steps and their 41 evaluations take about 48 minutes against the 9 "
+              "and evaluates it in 14.5 s, so 40k steps with an evaluation every 1k take about 48 minutes against the 9 "
               "a run may take, which hold about 7k steps (5 % of the paper's) with its evaluation every 1k steps "
               "(copy: 85 steps/s, 30 s an evaluation, about 12k steps; reverse: about 5k); stack and mul_cot gave "
               "no timing yet (docs/perf/training.md, \"The full budget's runs alone\")")

@@ -96,6 +96,7 @@ class TrainConfig:
     train_set: int = 0                # > 0: a fixed training set of this many problems (0: fresh every step)
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
+    eval_from_loss: float = 0.0       # > 0: they start once the mean loss of the last eval_every steps is below it
     held_out_lengths: list | None = None  # also evaluated then, on other examples (the UPE paper's rule)
     ckpt_every: int = 500             # write a checkpoint every this many steps
     log_every: float = 5.0            # seconds between progress lines
@@ -146,10 +147,9 @@ def umask() -> int:
 
 
 def save_atomic(obj, path: Path, **savefig):
-    """Write to a temporary file of its own in the target folder, then rename: a crash never leaves
-    half a file, and two writers of one path never share a temporary name. Strings are written as
-    text, dicts to .json as JSON, a matplotlib figure with fig.savefig(**savefig), anything else
-    with torch.save. The file gets the usual mode (0666 less the umask), not mkstemp's 0600."""
+    """Write to a temporary file of its own in the target folder, then rename: a crash never leaves half a
+    file, and two writers of one path never share a temporary name. Strings as text, dicts to .json as JSON,
+    a figure with fig.savefig(**savefig), the rest with torch.save; mode 0666 less the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
     try:
@@ -185,14 +185,13 @@ def fmt_time(s: float) -> str:
 class Step:
     """One optimiser step: forward, loss, backward, gradient clip, AdamW; returns the loss on the device.
 
-    With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch
-    of each padded length runs eagerly (a real step), then that step is captured as a CUDA graph
-    which the later batches of the length replay: one launch instead of hundreds for a tiny model.
-    The graphs share one memory pool (they replay one at a time and each replay's loss is copied
-    before the next; parameters, optimiser state and the input buffers live outside it), so a run
-    holds the memory of its largest step, not of all of them; `release` frees it.
-    Padding changes no result beyond float rounding: pads come after every real token (causal
-    models never read them), are never supervised, and bidirectional models mask them as keys."""
+    With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch of each
+    padded length runs eagerly (a real step), then that step is captured as a CUDA graph which the later
+    batches of the length replay: one launch instead of hundreds for a tiny model. The graphs share one
+    memory pool (they replay one at a time, each replay's loss copied before the next), so a run holds the
+    memory of its largest step; `release` frees it. Padding changes no result beyond float rounding: pads
+    come after every real token (causal models never read them), are never supervised, and bidirectional
+    models mask them as keys."""
 
     BUCKET = 32
 
@@ -252,8 +251,7 @@ class Step:
         return first
 
     def release(self):
-        """Frees the graphs and their memory (the gradients live there too): after training and after
-        fine-tuning, before the final evaluation."""
+        """Frees the graphs and their memory (the gradients too): after training and fine-tuning."""
         self.opt.zero_grad(set_to_none=True)
         self.graphs, self.buffers, self.pool = {}, {}, None
         if self.device.startswith("cuda"):
@@ -292,9 +290,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None = None) -> dict:
-    """Train one model from cfg (or continue its checkpoint), evaluate it, write metrics.json and
-    model.pt in cfg.run_dir(); return the metrics. The loop stops with a checkpoint when flag["stop"]
-    is set (cli.run sets it on SIGINT/SIGTERM). The config is taken as valid: cli.validate checks it."""
+    """Train one model from cfg (or continue its checkpoint), evaluate it, write metrics.json and model.pt in
+    cfg.run_dir(); return the metrics. The loop stops with a checkpoint when flag["stop"] is set (cli.run sets
+    it on SIGINT/SIGTERM). The config is taken as valid: cli.validate checks it."""
     task, flag, device = TASKS[cfg.task], flag or {"stop": None}, device_of(cfg.device)
     commit = git_hash()      # the code this process imported: read before a long run, not after it
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
@@ -358,8 +356,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             "kept": len(list(cfg.run_dir().glob("before-jump-*.pt")))}
 
     def keep_before_jump(at: int):
-        """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt: the
-        weights from which to replay the steps that left zero loss (docs/perf/vipe.md, "Long runs")."""
+        """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt: the weights from
+        which to replay the steps that left zero loss (docs/perf/vipe.md, "Long runs")."""
         jump["up"] = True
         if jump["kept"] < JUMP[2] and (cfg.run_dir() / CKPT).exists():
             jump["kept"] += 1
@@ -375,8 +373,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         first = step - len(values) + 1
         for k, v in enumerate(values):
             if not math.isfinite(v):
-                last = losses[-1][1] if losses else None
-                kept = (cfg.run_dir() / CKPT).exists()
+                last, kept = losses[-1][1] if losses else None, (cfg.run_dir() / CKPT).exists()
                 raise NaNLoss(f"loss is {v} at step {first + k} (counted as in the progress lines); last finite "
                               f"loss {'none' if last is None else f'{last:.4g}'} ("
                               + (f"the last checkpoint in {cfg.run_dir()} is kept)" if kept else "no checkpoint written)"))
@@ -386,6 +383,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             elif v > JUMP[1] and jump["settled"] and not jump["up"]:
                 keep_before_jump(first + k)
         pending.clear()
+
+    def evaluating():   # the evaluations during training start once the recent loss is below eval_from_loss
+        flush()
+        return not cfg.eval_from_loss or np.mean([v for _, v in losses[-cfg.eval_every:]]) < cfg.eval_from_loss
 
     stream = batches(cfg, task, train_lengths, step, cfg.steps)
     try:
@@ -419,7 +420,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                     f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}"
                     + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
                 last_log, log_step, log_waited = now, step, waited
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            if cfg.eval_every and step % cfg.eval_every == 0 and (history or evaluating()):
                 history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
                                                                cfg.task_opts, stream=stream_id, precision=cfg.precision)
                                                  for key, stream_id, lengths in sets}})
@@ -470,10 +471,9 @@ def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: i
 
 
 def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s):
-    """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in
-    every attention call (ViPE's fine-tuning with compressed distances, the paper's eq. 7). `s`: a
-    number, or a function of the fine-tuning step k = 0, 1, ... whose steps then run eagerly (a CUDA
-    graph or a compiled model would keep the first s). Returns the steps' losses."""
+    """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in every attention
+    call (ViPE's fine-tuning with compressed distances, the paper's eq. 7); `s` a number, or a function of the step
+    k = 0, 1, ... (then eager: a CUDA graph or a compiled model would keep the first s). Returns the losses."""
     changing = callable(s)
     step = Step(model, model if changing else fwd, opt, replace(cfg, graphs=False, compile=False) if changing
                 else cfg, task, device, s=1.0 if changing else s)

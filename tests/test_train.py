@@ -709,6 +709,26 @@ def test_evaluations_during_training_keep_a_history(tmp_path):
     assert len(torch.load(cfg.run_dir() / "checkpoint.pt", weights_only=False)["history"]) == 2
 
 
+def test_evaluations_during_training_wait_for_the_loss_when_asked(tmp_path):
+    """--eval-from-loss X (PRISM's paper: 0.1): the evaluations during training start at the first evaluation
+    step whose mean loss over the last eval_every steps is below X, and go on from there even where the loss
+    rises again. The steps come from a run that evaluates from the start: on the CPU evaluating leaves
+    training unchanged."""
+    every = tiny_config(tmp_path / "a", steps=60, eval_every=5)
+    losses = [v for _, v in train.train(every, log=lambda *_: None)["loss"]]
+    means = {k: np.mean(losses[k - 5:k]) for k in range(5, 61, 5)}
+    threshold = min(means[k] for k in means if k <= 40) + 1e-9
+    first = min(k for k in means if means[k] < threshold)
+    assert first > 15 and any(means[k] >= threshold for k in means if k > first), \
+        "the check needs a threshold crossed late, with the loss above it again afterwards"
+    metrics = train.train(tiny_config(tmp_path / "b", steps=60, eval_every=5, eval_from_loss=threshold),
+                          log=lambda *_: None)
+    assert [h["step"] for h in metrics["history"]] == list(range(first, 61, 5))
+    assert [v for _, v in metrics["loss"]] == losses
+    never = train.train(tiny_config(tmp_path / "c", steps=60, eval_every=5, eval_from_loss=1e-9), log=lambda *_: None)
+    assert "history" not in never
+
+
 @pytest.mark.parametrize("task_name,method", [("copy", "rope"), ("add_padded", "rpe"), ("mul_padded", "upe")])
 def test_packing_lengths_into_one_pass_changes_no_result(task_name, method):
     """evaluate() packs examples of several lengths into one padded forward pass; with a budget of one

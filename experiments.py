@@ -698,7 +698,8 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
         cells = []
         for _, sel, metric in exp.columns:
             vals = [v for m in seeds if (v := top_k_checkpoints(m, sel, metric)) is not None]
-            cells.append(f"{np.mean(vals):.3f} ({min(vals):.2f}-{max(vals):.2f})" if vals else "-")
+            some = f"; {len(vals)} of {len(seeds)} seeds" if len(vals) < len(seeds) else ""
+            cells.append(f"{np.mean(vals):.3f} ({min(vals):.2f}-{max(vals):.2f}{some})" if vals else "-")
         return ("the paper's rule: mean of the 3 best evaluations during training, mean (min-max) over seeds "
                 "(selects on the test set, as the paper does)", cells)
     chosen = [rows for m in seeds if (rows := best_held_out(m, exp.select[1])) is not None]

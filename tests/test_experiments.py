@@ -189,6 +189,12 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     assert "with in-distribution exact match > 0.85" in rows["best_seed"]
     assert "mean of the 3 best" in rows["top3"] and f"| {(0.6 + 0.2) / 2:.3f} (0.20-0.60) |" in rows["top3"]
     assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 (0.20-0.60) |" in rows["held_out"]
+    # a seed without evaluations during training (--eval-from-loss: its loss never fell below the bar) is
+    # left out of the top-3 mean, and the cell says so
+    out = write_seeds(tmp_path / "runs2", [a, {**b, "history": []}])
+    exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], columns=cols, paper={},
+                                 scaled="s", select=("top3",), seeds=[0, 1])
+    assert "| 0.600 (0.60-0.60; 1 of 2 seeds) |" in experiments.experiment_table("x", exp, out).splitlines()[-1]
 
 
 def test_the_table_names_every_device_its_seeds_ran_on(tmp_path):

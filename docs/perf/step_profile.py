@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     projected = cfg.steps / rate + n_evals * eval_s
 
     say(f"(4) one evaluation: {eval_s:.1f} s; the run alone: {cfg.steps} steps at (1)'s rate + {n_evals} "
-        f"evaluations = {train.fmt_time(projected)} (projected)")
+        f"evaluations = {train.fmt_time(projected)} (projected"
+        + (f"; at most: the evaluations wait for a loss below {cfg.eval_from_loss})" if cfg.eval_from_loss else ")"))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,

@@ -211,8 +211,9 @@ def test_prism_copy_speed_trains_every_copy_task(tmp_path):
 
 
 def test_step_profile_times_and_profiles_a_step(tmp_path):
+    """stack: --tiny keeps as many layers as the blocks PRISM's positions feed (prism_blocks 0 and 3)."""
     out = tmp_path / "profile.json"
-    text = script("step_profile.py", "--experiment", "prism-more", "--task", "reverse", "--device", "cpu", "--tiny",
+    text = script("step_profile.py", "--experiment", "prism-more", "--task", "stack", "--device", "cpu", "--tiny",
                   "--steps", 2, "--top", 5, "--out", out)
     got = json.loads(out.read_text())
     assert got["steps_per_s"] > 0 and 0 < got["eager_busy_ms"] and len(got["top"]) == 5

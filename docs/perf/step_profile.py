@@ -49,7 +49,8 @@ def pick(name: str, budget: str, task: str | None, label: str | None) -> dict:
 def config(run: dict, device: str, tiny: bool, compile_: bool) -> train.TrainConfig:
     values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda"), "compile": compile_}
     if tiny:
-        values.update(d_model=32, n_layers=2, n_heads=2, batch_size=4, n_eval=2)
+        blocks = run.get("opts", {}).get("prism_blocks", [0])          # the blocks PRISM's positions feed
+        values.update(d_model=32, n_layers=max(2, max(blocks) + 1), n_heads=2, batch_size=4, n_eval=2)
         if run["method"] == "prism":
             values["opts"] = {**run.get("opts", {}), "prism_bins": 16, "prism_dim": 16, "prism_cursors": 2}
     cfg = cli.make_config(values, "gpu")

@@ -377,7 +377,7 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "runs (the paper gives no initialisation); "
               "{more}; not run: at this size PRISM trains add_cot at 17.5 steps/s alone on one H200 (commit 6aef7cf) "
               "and evaluates it in 14.5 s, so 40k steps with an evaluation every 1k take about 48 minutes against the 9 "
-              "a run may take, which hold about 7k steps (5 % of the paper's) with its evaluation every 1k steps "
+              "a run may take, which hold about 7k steps (5 % of the paper's) "
               "(copy: 85 steps/s, 30 s an evaluation, about 12k steps; reverse: about 5k); stack and mul_cot gave "
               "no timing yet (docs/perf/training.md, \"The full budget's runs alone\")")
 

@@ -363,23 +363,33 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
 # curriculum on its schedule; evaluated every 1k steps once the loss is below 0.1, on 1,000 examples, reported as
 # the mean of the 3 best.
-# Its 150k steps: 40k here (by then the length-40 tasks have reached their last stage); at this size a
-# PRISM step is too slow for that to fit the 9 minutes a run may take (PRISM_FULL says by how much).
+# Its 150k steps: 10k here for copy and add_cot (trained to 10), the most that fit the 9 minutes a run may take
+# (PRISM_FIT says how that was measured); the curriculum reaches their longest training length at 5k steps.
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
-                   curriculum_steps=5000, eval_every=1000, eval_from_loss=0.1, n_eval=1000, steps=40_000)
+                   curriculum_steps=5000, eval_every=1000, eval_from_loss=0.1, n_eval=1000, steps=10_000)
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
 # Its baseline: 5 layers, 8 heads, width 512, tied embeddings, randomly shifted sinusoidal APE.
 PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shift=100)
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations on "
               "1,000 examples, every 1k steps once the loss is below 0.1) with a width of 210 for its 192 (35 heads "
-              "must divide it) and 40k of its 150k steps (27 %); the gate head starting to count as in the quick "
-              "runs (the paper gives no initialisation); "
-              "{more}; not run: at this size PRISM trains add_cot at 17.5 steps/s alone on one H200 (commit 6aef7cf) "
-              "and evaluates it in 14.5 s, so 40k steps with an evaluation every 1k take about 48 minutes against the 9 "
-              "a run may take, which hold about 7k steps (5 % of the paper's) "
-              "(copy: 85 steps/s, 30 s an evaluation, about 12k steps; reverse: about 5k); stack and mul_cot gave "
-              "no timing yet (docs/perf/training.md, \"The full budget's runs alone\")")
+              "must divide it); the gate head starting to count as in the quick runs (the paper gives no "
+              "initialisation); {more}; {steps}")
+PRISM_FIT = ("10k of its 150k steps (6.7 %), the most that fit the 9 minutes a run may take with an evaluation "
+             "every 1k steps: compiled (--compile), PRISM trains add_cot at 33.6 steps/s alone on one H200 and "
+             "evaluates it in 15.1 s (commit 2daeea8), so 10k steps take about 8 minutes (copy, not compiled: 85 "
+             "steps/s and 30 s an evaluation, commit 6aef7cf, about 7.5 minutes; an H100 is not measured); the "
+             "curriculum reaches 10 at 5k steps (docs/perf/training.md, \"The full budget's runs alone\")")
+# The length-40 tasks reach their last curriculum stage at 30k steps; their evaluations (to length 150) are what
+# does not fit.
+PRISM_MORE_STEPS = 40_000
+PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
+                      "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
+                      "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "
+                      "evaluation had not ended when a 300 s limit stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s. "
+                      "The steps that fit 9 minutes (about 2k for stack and odds_first, under 5k for reverse) would not leave the "
+                      "curriculum's first stage (lengths <= 5): the evaluations have to get cheaper first "
+                      "(docs/perf/training.md, \"The full budget's runs alone\")")
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
@@ -397,7 +407,8 @@ _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5,
 
 def _prism_more_full(run: dict) -> dict:
     """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
-    full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS}}
+    full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS},
+            "steps": PRISM_MORE_STEPS}
     if "train_lengths" in run:
         full["train_lengths"] = run["train_lengths"]
     if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run
@@ -494,7 +505,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[dict(task="copy", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
                         dict(task="copy", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
                   scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
-                                                "embeddings, shift 100)"))),
+                                                "embeddings, shift 100)", steps=PRISM_FIT))),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
               "20-30 digits, APE fails (paper Fig. 1)",
@@ -509,7 +520,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[dict(task="add_cot", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
                         dict(task="add_cot", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
                   scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
-                                                "embeddings, shift 100)"))),
+                                                "embeddings, shift 100)", steps=PRISM_FIT))),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5, 8, 10, 3, 9 and 4, "
@@ -527,7 +538,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                "2x and 4x the steps: docs/results/prism-more-budget)",
         full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2],
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
-                                                "in five); bins and blocks as in the quick runs")),
+                                                "in five); bins and blocks as in the quick runs",
+                                         steps=PRISM_MORE_NOT_RUN)),
         seeds=[0, 1, 2],
         checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),
     "upe-add": Experiment(

@@ -230,7 +230,7 @@ def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_
     assert got["n_evals"] == 16     # every 1000 of 15k steps, and the final one
     text = script("step_profile.py", "--experiment", "prism-add", "--budget", "full", "--label", "prism-full",
                   "--device", "cpu", "--tiny", "--steps", 2, "--top", 2)
-    assert "41 evaluations" in text and "at most: the evaluations wait for a loss below 0.1" in text
+    assert "11 evaluations" in text and "at most: the evaluations wait for a loss below 0.1" in text
     with pytest.raises(AssertionError, match="has no run"):
         script("step_profile.py", "--experiment", "upe-add", "--label", "upe", "--device", "cpu", "--tiny")
 

@@ -490,6 +490,25 @@ def test_every_full_setup_is_valid_and_apart_from_the_quick_runs():
             assert len(full.seeds) >= 3
 
 
+def test_every_full_curriculum_trains_at_its_longest_length_for_a_quarter_of_its_steps():
+    """The full budget takes fewer steps than the paper where they do not fit; a run cut so short that
+    the paper's curriculum (5k steps a stage) never reaches its longest training length, or only at the
+    end, would not be the paper's setup. The quick runs scale their curriculum to their steps instead."""
+    from tasks import curriculum_lengths
+    seen = 0
+    for name, exp in experiments.EXPERIMENTS.items():
+        for run in experiments.at_budget(exp, "full").runs if exp.full else []:
+            cfg = make_config({**run, "device": "cpu"}, "gpu")
+            if not (cfg.curriculum and cfg.curriculum_steps):
+                continue
+            lengths = cfg.train_lengths or validate(cfg).train_lengths
+            first = next(step for step in range(0, cfg.steps, 500)
+                         if max(curriculum_lengths(step, cfg.steps, lengths, cfg.curriculum_steps)) == max(lengths))
+            assert first <= 0.75 * cfg.steps, (name, run["task"], first, cfg.steps)
+            seen += 1
+    assert seen >= 8        # prism-copy and prism-add (PRISM and APE), prism-more's curriculum tasks
+
+
 def test_reproduce_all_puts_every_experiments_runs_in_one_queue(capsys, tmp_path, monkeypatch):
     """--reproduce all --jobs 2 with two experiments of one run each: one pool trains both at once
     (one experiment at a time would train each run alone, leaving a job, or a GPU, idle), and each

@@ -41,7 +41,7 @@ from examples import relative_bias
 from evaluation import evaluate, summary_line
 from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
                    largest_logits)
-from tasks import IGNORE, TASKS, Batch, Task, TrainBatches
+from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
 
 # Every position encoding by name: one line each. A new encoding is a Method in its own file
 # (see examples/relative_bias.py) and one line here.
@@ -170,7 +170,7 @@ def save_atomic(obj, path: Path, **savefig):
 
 
 CKPT = "checkpoint.pt"
-JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01 is a jump: keep the checkpoint before (3 a run)
+JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01, at one curriculum length: a jump (keep 3 a run)
 
 
 class NaNLoss(Exception):
@@ -297,8 +297,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     commit = git_hash()      # the code this process imported: read before a long run, not after it
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
     ckpt = torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False) if resume else None
-    train_lengths = cfg.train_lengths or task.train_lengths
-    test_lengths = cfg.test_lengths or task.test_lengths
+    train_lengths, test_lengths = cfg.train_lengths or task.train_lengths, cfg.test_lengths or task.test_lengths
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
@@ -350,14 +349,15 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         now = (step - mark[0], time.time() - mark[1], waited - mark[2]) if step > mark[0] else (0, 0.0, 0.0)
         return [a + b for a, b in zip(timed, now)]
     pending = []  # losses still on the device: reading each one would stall the GPU every step
-    # jumps: has the loss been below JUMP[0], is it in a jump now (not back below since), the jumps kept
-    settled = any(v < JUMP[0] for _, v in losses)
-    jump = {"settled": settled, "up": settled and losses[-1][1] >= JUMP[0],
-            "kept": len(list(cfg.run_dir().glob("before-jump-*.pt")))}
+    # jumps: the last step below JUMP[0] (0: none), is the loss in a jump now (not back below since), the jumps kept
+    jump = {"low": max([s for s, v in losses if v < JUMP[0]], default=0)}
+    jump.update(up=jump["low"] > 0 and losses[-1][1] >= JUMP[0], kept=len([*cfg.run_dir().glob("before-jump-*.pt")]))
+
+    def top(at: int) -> int:    # the curriculum's longest length at step `at` (batch at - 1; 0 without a curriculum)
+        return max(curriculum_lengths(at - 1, cfg.steps, train_lengths, cfg.curriculum_steps)) if cfg.curriculum else 0
 
     def keep_before_jump(at: int):
-        """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt: the weights from
-        which to replay the steps that left zero loss (docs/perf/vipe.md, "Long runs")."""
+        """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt (docs/perf/vipe.md)."""
         jump["up"] = True
         if jump["kept"] < JUMP[2] and (cfg.run_dir() / CKPT).exists():
             jump["kept"] += 1
@@ -379,8 +379,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                               + (f"the last checkpoint in {cfg.run_dir()} is kept)" if kept else "no checkpoint written)"))
             losses.append([first + k, v])
             if v < JUMP[0]:
-                jump.update(settled=True, up=False)
-            elif v > JUMP[1] and jump["settled"] and not jump["up"]:
+                jump.update(low=first + k, up=False)
+            elif v > JUMP[1] and jump["low"] and not jump["up"] and top(first + k) == top(jump["low"]):
                 keep_before_jump(first + k)
         pending.clear()
 

@@ -451,6 +451,24 @@ def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, mo
     assert torch.load(cfg.run_dir() / "before-jump-13.pt", weights_only=False)["step"] == 11
 
 
+def test_a_rise_where_the_curriculum_grows_the_lengths_is_no_jump(tmp_path, monkeypatch):
+    """With PRISM's curriculum (lengths <= 5 for 4 steps, then up to 8), the loss rises on the new
+    lengths at step 5 (the first batch of the second stage) after it had been near zero: no checkpoint
+    is kept for that. Near zero again, a rise at step 9 at the same lengths is a jump."""
+    real, script = F.cross_entropy, {1: 1.0, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 0.9, 6: 0.5, 7: 1e-3, 8: 1e-3, 9: 0.5,
+                                     10: 1e-3}
+    calls = {"n": 0}
+
+    def scripted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k) * 0 + script[calls["n"]]
+    monkeypatch.setattr(train.F, "cross_entropy", scripted)
+    lines = []
+    cfg = tiny_config(tmp_path, steps=10, train_lengths=[3, 8], curriculum=True, curriculum_steps=4, ckpt_every=2)
+    train.train(cfg, log=lines.append)
+    assert sorted(p.name for p in cfg.run_dir().glob("before-jump-*.pt")) == ["before-jump-9.pt"], lines
+
+
 # ---- CLI --------------------------------------------------------------------------------------
 
 def run_cli(capsys, *args):

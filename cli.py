@@ -1195,9 +1195,9 @@ RESULTS = Path(__file__).parent / "docs" / "results"   # the committed runs: tim
 
 
 def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
-    """(seconds, "measured: seedS" | "estimate: LABEL") for one run, from the metrics of runs already
-    present on the same kind of device (a GPU's time says nothing of a CPU's): another seed of the same
-    run, else the run of the same task and method whose settings differ from this one's in the fewest
+    """(seconds, "measured: seedS" | "measured: median of N seeds" | "estimate: LABEL") for one run, from the
+    metrics of runs already present on the same kind of device (a GPU's time says nothing of a CPU's): the
+    other seeds of the same run (the median of their times), else the run of the same task and method whose settings differ from this one's in the fewest
     (its time per step, scaled by the batch size). Looked for in --out, then in this repository's
     committed runs (RESULTS; the label then says "in docs/results")."""
     seconds, how = time_in(cfg, Path(cfg.out))
@@ -1219,9 +1219,11 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
 
     def per_step(m):
         return m["wall_s"] / max(1, m["config"]["steps"])
-    for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json")):
-        if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size:
-            return per_step(m) * cfg.steps, "measured: " + path.parent.name
+    seeds = [(per_step(m), path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
+             if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
+    if seeds:       # their median: seeds of one setup ran beside different loads
+        return float(np.median([t for t, _ in seeds])) * cfg.steps, "measured: " + (
+            seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds")
     settings = asdict(cfg)
     others = [(differences(settings, m["config"]), path.parent.parent.name, m)
               for path in sorted((out / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))

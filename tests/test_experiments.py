@@ -944,6 +944,19 @@ def test_times_come_from_the_committed_runs_where_out_has_none(tmp_path, monkeyp
     assert cli.time_of(cfg) == (pytest.approx(20.0), "measured: seed1")
 
 
+def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
+    """Seeds of one setup that ran beside different loads: the time is their median, not the first
+    seed's, and says how many seeds it stands on."""
+    base = dict(task="copy", method="rope", device="cpu", out=str(tmp_path), steps=100, batch_size=8, d_model=32)
+    for seed, wall in ((0, 90.0), (1, 10.0), (2, 20.0)):
+        cfg = make_config({**base, "seed": seed}, "cpu")
+        cfg.run_dir().mkdir(parents=True)
+        (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": wall,
+                                                                "device": "cpu (2 cores)"}))
+    cfg = make_config({**base, "seed": 3, "steps": 200}, "cpu")
+    assert cli.time_of(cfg) == (pytest.approx(40.0), "measured: median of 3 seeds")
+
+
 def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys, tmp_path, monkeypatch):
     """--reproduce trains its runs longest first by their planned time, those without one first of
     all, whatever their place in the run list (which --shard and --runs number)."""

@@ -1198,8 +1198,8 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     """(seconds, "measured: seedS" | "measured: median of N seeds" | "estimate: LABEL") for one run, from the
     metrics of runs already present on the same kind of device (a GPU's time says nothing of a CPU's): the
     other seeds of the same run (the median of their times), else the run of the same task and method whose
-    settings differ from this one's in the fewest (its time per step, scaled by the batch size). Looked for in --out, then in this repository's
-    committed runs (RESULTS; the label then says "in docs/results")."""
+    settings differ from this one's in the fewest (its time per step, scaled by the batch size). Looked for in
+    --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results")."""
     seconds, how = time_in(cfg, Path(cfg.out))
     if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
         seconds, how = time_in(cfg, RESULTS)

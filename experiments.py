@@ -377,7 +377,7 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "initialisation); {more}; {steps}")
 PRISM_FIT = ("10k of its 150k steps (6.7 %), the most that fit the 9 minutes a run may take with an evaluation "
              "every 1k steps: compiled (--compile), alone on one H100, PRISM trains add_cot at 29.9 steps/s at "
-             "its longest length and evaluates it in 15.9 s, copy at 124.1 steps/s and 32.9 s (commit 59a5893), "
+             "its longest length and evaluates it in 15.9 s, copy at 124.1 steps/s and 32.9 s (commit 341c16d), "
              "so 10k steps take at most 8.5 and 7.4 minutes; the curriculum reaches 10 at 5k steps "
              "(docs/perf/training.md, \"The full budget's runs alone\")")
 # The length-40 tasks reach their last curriculum stage at 30k steps; their evaluations (to length 150) are what

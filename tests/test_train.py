@@ -419,19 +419,25 @@ def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch, workers):
     assert not multiprocessing.active_children()             # the data workers are stopped too
 
 
-def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, monkeypatch):
-    """Losses scripted per step: high (not a jump: the run has not been near zero yet), below 0.01,
-    a jump at step 7, back, a second jump at 9 lasting two steps. Each jump keeps the checkpoint on
-    disk when it came (step 5's) once, and says so. A resumed run still knows whether it is in a jump
-    and whether it has been near zero."""
-    real, script = F.cross_entropy, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1e-3, 5: 1e-3, 6: 1e-3, 7: 0.5, 8: 1e-3, 9: 0.3,
-                                     10: 0.2}
-    calls = {"n": 0}
+def script_losses(monkeypatch, script: dict) -> dict:
+    """The loss of the n-th training step (1, 2, ...) becomes script[n]; returns script, which a test
+    may extend for the steps of a resumed run."""
+    real, calls = F.cross_entropy, {"n": 0}
 
     def scripted(*a, **k):
         calls["n"] += 1
         return real(*a, **k) * 0 + script[calls["n"]]
     monkeypatch.setattr(train.F, "cross_entropy", scripted)
+    return script
+
+
+def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, monkeypatch):
+    """Losses scripted per step: high (not a jump: the run has not been near zero yet), below 0.01,
+    a jump at step 7, back, a second jump at 9 lasting two steps. Each jump keeps the checkpoint on
+    disk when it came (step 5's) once, and says so. A resumed run still knows whether it is in a jump
+    and whether it has been near zero."""
+    script = script_losses(monkeypatch, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1e-3, 5: 1e-3, 6: 1e-3, 7: 0.5, 8: 1e-3, 9: 0.3,
+                                         10: 0.2})
     lines = []
     cfg = tiny_config(tmp_path, steps=10)
     train.train(cfg, log=lines.append)
@@ -455,14 +461,7 @@ def test_a_rise_where_the_curriculum_grows_the_lengths_is_no_jump(tmp_path, monk
     """With PRISM's curriculum (lengths <= 5 for 4 steps, then up to 8), the loss rises on the new
     lengths at step 5 (the first batch of the second stage) after it had been near zero: no checkpoint
     is kept for that. Near zero again, a rise at step 9 at the same lengths is a jump."""
-    real, script = F.cross_entropy, {1: 1.0, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 0.9, 6: 0.5, 7: 1e-3, 8: 1e-3, 9: 0.5,
-                                     10: 1e-3}
-    calls = {"n": 0}
-
-    def scripted(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k) * 0 + script[calls["n"]]
-    monkeypatch.setattr(train.F, "cross_entropy", scripted)
+    script_losses(monkeypatch, {1: 1.0, 2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 0.9, 6: 0.5, 7: 1e-3, 8: 1e-3, 9: 0.5, 10: 1e-3})
     lines = []
     cfg = tiny_config(tmp_path, steps=10, train_lengths=[3, 8], curriculum=True, curriculum_steps=4, ckpt_every=2)
     train.train(cfg, log=lines.append)

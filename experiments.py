@@ -380,6 +380,16 @@ PRISM_FIT = ("10k of its 150k steps (6.7 %), the most that fit the 9 minutes a r
              "its longest length and evaluates it in 15.9 s, copy at 124.1 steps/s and 32.9 s (commit 341c16d), "
              "so 10k steps take at most 8.5 and 7.4 minutes; the curriculum reaches 10 at 5k steps "
              "(docs/perf/training.md, \"The full budget's runs alone\")")
+
+
+def _prism_vs_ape_full(task: str) -> dict:
+    """The full setup of a task trained to 10: PRISM and the paper's APE baseline at PRISM_FIT's steps."""
+    return dict(runs=[dict(task=task, method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
+                      dict(task=task, method="ape", **PRISM_APE)], seeds=[0, 1, 2],
+                scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
+                                              "embeddings, shift 100)", steps=PRISM_FIT))
+
+
 # The length-40 tasks reach their last curriculum stage at 30k steps; their evaluations (to length 150) are what
 # does not fit.
 PRISM_MORE_STEPS = 40_000
@@ -503,10 +513,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                "rule (mean of the top 3 evaluations); " + _PRISM_RUNS,
         seeds=[0, 1, 2], select=("top3",),
         checks=[("copy/prism", "copy/ape", c) for c in (1, 2, 3)] + [("copy/prism", 0.9, 3)],
-        full=dict(runs=[dict(task="copy", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
-                        dict(task="copy", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
-                  scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
-                                                "embeddings, shift 100)", steps=PRISM_FIT))),
+        full=_prism_vs_ape_full("copy")),
     "prism-add": Experiment(
         claim="Addition with chain of thought, trained on <= 10 digits, tested to 30: PRISM extrapolates to "
               "20-30 digits, APE fails (paper Fig. 1)",
@@ -518,10 +525,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                + "; with the paper's 5 layers: docs/results/prism-add-depth",
         seeds=[0, 1, 2], select=("top3",),
         checks=[("add_cot/prism", "add_cot/ape", c) for c in (1, 2)] + [("add_cot/prism", HIGH, c) for c in (1, 2)],
-        full=dict(runs=[dict(task="add_cot", method="prism", opts=PRISM_OPTS, **PRISM_PAPER),
-                        dict(task="add_cot", method="ape", **PRISM_APE)], seeds=[0, 1, 2],
-                  scaled=PRISM_FULL.format(more="APE as the paper's baseline (5 layers, 8 heads, width 512, tied "
-                                                "embeddings, shift 100)", steps=PRISM_FIT))),
+        full=_prism_vs_ape_full("add_cot")),
     "prism-more": Experiment(
         claim="Reverse, odds-first, stack (train <= 40, test to 150), dynamic string copy, multiplication "
               "with chain of thought (train <= 9), SCAN with chain of thought (paper Fig. 5, 8, 10, 3, 9 and 4, "

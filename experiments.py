@@ -390,16 +390,17 @@ def _prism_vs_ape_full(task: str) -> dict:
                                               "embeddings, shift 100)", steps=PRISM_FIT))
 
 
-# The length-40 tasks reach their last curriculum stage at 30k steps; their evaluations (to length 150) are what
-# does not fit.
+# The length-40 tasks reach their last curriculum stage at 30k steps; neither their step nor their evaluations (to
+# length 150) are fast enough for that to fit.
 PRISM_MORE_STEPS = 40_000
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
                       "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "
                       "evaluation had not ended when a 300 s limit stopped the profile; reverse (not compiled, "
                       "commit 6aef7cf) 15.7 steps/s and 35 s. The steps that fit 9 minutes (about 2k for stack and "
-                      "odds_first, under 5k for reverse) would not leave the curriculum's first stage (lengths <= 5): "
-                      "the evaluations have to get cheaper first "
+                      "odds_first, under 5k for reverse) would not leave the curriculum's first stage (lengths <= 5), "
+                      "and without evaluations the 11k steps of stack that fit would reach lengths <= 20 of its 40: "
+                      "the step and the evaluations both have to get faster "
                       "(docs/perf/training.md, \"The full budget's runs alone\")")
 
 

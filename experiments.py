@@ -391,8 +391,15 @@ def _prism_vs_ape_full(task: str) -> dict:
 
 
 # The length-40 tasks reach their last curriculum stage at 30k steps; neither their step nor their evaluations (to
-# length 150) are fast enough for that to fit.
+# length 150) are fast enough for that to fit. Dynamic string copy (trained to 10, as copy) and SCAN (no
+# curriculum) take the steps that fit 9 minutes (PRISM_MORE_FIT says how that was measured).
 PRISM_MORE_STEPS = 40_000
+PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 9000, "scan_cot": 12_000}
+PRISM_MORE_FIT = ("dynamic string copy 9k and SCAN 12k of the paper's 150k steps (6 % and 8 %), the most that fit 9 "
+                  "minutes with an evaluation every 1k steps: compiled, alone on one H100 (commit e0d6633), PRISM "
+                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s, scan_cot at 26.2 "
+                  "steps/s at 22 actions and 4.4 s, so they take at most 8.8 and 8.6 minutes (docs/perf/step_profile.py; "
+                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
                       "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "
@@ -420,7 +427,7 @@ _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5,
 def _prism_more_full(run: dict) -> dict:
     """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
     full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS},
-            "steps": PRISM_MORE_STEPS}
+            "steps": PRISM_MORE_FIT_STEPS.get(run["task"], PRISM_MORE_STEPS)}
     if "train_lengths" in run:
         full["train_lengths"] = run["train_lengths"]
     if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run
@@ -545,7 +552,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2],
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
                                                 "in five); bins and blocks as in the quick runs",
-                                         steps=PRISM_MORE_NOT_RUN)),
+                                         steps=PRISM_MORE_FIT + "; reverse, odds_first, stack and mul_cot: "
+                                         + PRISM_MORE_NOT_RUN)),
         seeds=[0, 1, 2],
         checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),
     "upe-add": Experiment(

@@ -253,7 +253,8 @@ class Experiment:
     sweep: tuple | None = None   # (x-axis label, column index): plot that column against the number in
                                  # each run's tag (e.g. L2 -> 2), one line per method
     full: dict | None = None     # the paper's own setup (--budget full): its "runs", "seeds" and "scaled"
-                                 # (what still differs from the paper); None: not defined yet
+                                 # (what still differs from the paper), optionally its own "checks" and
+                                 # "select"; None: not defined yet
     checks: list = field(default_factory=list)  # the claim as comparisons for `verdict`: (a, b, column
                                  # index), "a does better than b there"; a and b are runs ("task/label") or
                                  # numbers (a threshold the run's mean must beat, or stay below)
@@ -284,7 +285,7 @@ def at_budget(exp: Experiment, budget: str) -> Experiment:
     checks = [tuple(f"{x}-full" if isinstance(x, str) else x for x in (a, b)) + (col,)
               for a, b, col in exp.full.get("checks", exp.checks)]
     return replace(exp, runs=runs, seeds=exp.full["seeds"], scaled=exp.full["scaled"], paper=paper, full=None,
-                   checks=checks)
+                   checks=checks, select=exp.full.get("select", exp.select))
 
 
 VIPE_METHODS = ("ape", "nope", "rope", "alibi", "t5", "fire", "vipe")
@@ -549,7 +550,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "
                "2x and 4x the steps: docs/results/prism-more-budget)",
-        full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2],
+        full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2], select=("top3",),
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
                                                 "in five); bins and blocks as in the quick runs",
                                          steps=PRISM_MORE_FIT + "; reverse, odds_first, stack and mul_cot: "

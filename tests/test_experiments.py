@@ -490,6 +490,20 @@ def test_every_full_setup_is_valid_and_apart_from_the_quick_runs():
             assert len(full.seeds) >= 3
 
 
+def test_a_full_setup_reports_its_own_selection_rule_or_the_quick_one():
+    """prism-more's quick runs are not evaluated during training, its full runs every 1k steps as in the paper:
+    only the full table has the paper's top-3 rule. A full setup that names no rule keeps the quick one, and
+    every top-3 rule stands on runs evaluated during training."""
+    more = experiments.EXPERIMENTS["prism-more"]
+    assert more.select is None and experiments.at_budget(more, "full").select == ("top3",)
+    parity = experiments.EXPERIMENTS["vipe-parity"]
+    assert "select" not in parity.full and experiments.at_budget(parity, "full").select == ("best_seed",)
+    for name, exp in experiments.EXPERIMENTS.items():
+        for e in [exp] + ([experiments.at_budget(exp, "full")] if exp.full else []):
+            if e.select == ("top3",):
+                assert all(make_config({**run, "device": "cpu"}, "gpu").eval_every for run in e.runs), name
+
+
 def test_every_full_curriculum_trains_at_its_longest_length_for_a_quarter_of_its_steps():
     """The full budget takes fewer steps than the paper where they do not fit; a run cut so short that
     the paper's curriculum (5k steps a stage) never reaches its longest training length, or only at the

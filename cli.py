@@ -443,7 +443,7 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
             passive_threads() if on_cpu else contextlib.nullcontext(), \
             ProcessPoolExecutor(jobs, mp_context=ctx, **setup) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
-        pending, passed_on, ended = set(futures), False, 0
+        pending, passed_on, ended, finished = set(futures), False, 0, 0
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             if flag["stop"] and not passed_on:   # Ctrl-C reaches every process of the group; `kill PID`
@@ -457,6 +457,7 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                 try:
                     print(f"  [{fmt_time(time.time() - t0)}] done {folder} ({ended} of {len(cfgs)}): {future.result()}",
                           flush=True)
+                    finished += 1
                 except RunStopped as e:
                     started = str(e) != NOT_STARTED
                     if started:
@@ -466,10 +467,13 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
                 except Exception as e:
                     failure(folder, e)           # its traceback is in its train.log
         end_pool(pool)
-    if flag["stop"]:
-        raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint "
-                          + ("(the same command continues each from it" if resume == "auto" else
-                             "(--resume continues a run from it") + "; <run>/train.log says where each stopped)"
+    if flag["stop"]:                         # a run in its last moments may finish all the same
+        left = len(cfgs) - finished - len(failed)
+        raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint"
+                          + (f", {finished} finished" if finished else "")
+                          + ((" (the same command continues each from it" if resume == "auto" else
+                              " (--resume continues a run from it") + "; <run>/train.log says where each stopped)"
+                             if left else "; every run finished")
                           + (f"; {len(failed)} failed" if failed else ""))
     return failed
 

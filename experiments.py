@@ -399,8 +399,9 @@ PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 9000, "scan_cot": 12_000}
 PRISM_MORE_FIT = ("dynamic string copy 9k and SCAN 12k of the paper's 150k steps (6 % and 8 %), the most that fit 9 "
                   "minutes with an evaluation every 1k steps: compiled, alone on one H100 (commit e0d6633), PRISM "
                   "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s, scan_cot at 26.2 "
-                  "steps/s at 22 actions and 4.4 s, so they take at most 8.8 and 8.6 minutes (docs/perf/step_profile.py; "
-                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps")
+                  "steps/s at 22 actions and 4.4 s, so they take at most 8.8 and 8.6 minutes "
+                  "(docs/perf/step_profile.py; docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 "
+                  "at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
                       "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "

@@ -221,6 +221,19 @@ def test_step_profile_times_and_profiles_a_step(tmp_path):
     assert got["n_evals"] == 1 and got["projected_s"] > got["steps"] / got["steps_per_s"]
 
 
+def test_eval_speed_times_each_pass_size_on_the_same_examples(tmp_path):
+    """Eager only (compiling PRISM on the CPU takes minutes): one pass of a few sequences against passes
+    of many, the same examples and so the same counts (a tolerance for float rounding in passes of
+    other shapes)."""
+    out = tmp_path / "eval.json"
+    text = script("eval_speed.py", "--experiment", "prism-copy", "--task", "copy", "--device", "cpu", "--tiny",
+                  "--no-compile", "--tokens", "64,4096", "--out", out)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["way"], r["tokens"]) for r in rows] == [("eager", 64), ("eager", 4096)], text
+    assert all(r["seconds"] > 0 for r in rows) and rows[0]["exact"] == rows[1]["exact"]
+    assert rows[0]["token_sum"] > 0 and abs(rows[0]["token_sum"] - rows[1]["token_sum"]) < 1e-3
+
+
 def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_path):
     out = tmp_path / "profile.json"
     script("step_profile.py", "--experiment", "upe-add", "--budget", "full", "--label", "rpe-full", "--device", "cpu",

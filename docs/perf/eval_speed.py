@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "docs/perf")
+import experiments  # noqa: E402
 import train  # noqa: E402
 from evaluation import evaluate  # noqa: E402
 from step_profile import config, pick, say, sync  # noqa: E402
@@ -30,7 +31,7 @@ from tasks import TASKS  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", default="prism-more")
-    p.add_argument("--budget", default="quick")
+    p.add_argument("--budget", default="quick", choices=experiments.BUDGETS)
     p.add_argument("--task")
     p.add_argument("--label")
     p.add_argument("--tokens", default="32768", help="comma-separated tokens per forward pass, each timed")

@@ -806,6 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
                    "(the numbers --plan prints)")
+    g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, build its tables and "
+                   "figures from the runs present (each over its seeds present; the table says which are missing)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "
@@ -934,7 +936,8 @@ def run_cli(args) -> int:
     if args.reproduce:
         return reproduce(args, device, preset_name)
     given = [flag for flag, value in (("--shard", args.shard), ("--runs", args.runs), ("--budget", args.budget),
-                                      ("--plan", args.plan), ("--labels", args.labels)) if value]
+                                      ("--plan", args.plan), ("--labels", args.labels),
+                                      ("--partial", args.partial)) if value]
     if given:
         raise UsageError(f"{given[0]} applies with --reproduce NAME only")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
@@ -1029,6 +1032,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
                                               args.seeds), name, args.labels)
                    for name in names}
     suffix = "" if budget == "quick" else f"-{budget}"
+    if args.partial and (args.shard or args.runs or args.force or args.plan):
+        raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force "
+                         "and --plan")
     shard, n_shards = parse_shard(args.shard)
     n_runs = sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values())
     picked = parse_runs(args.runs, n_runs, args.shard)
@@ -1041,10 +1047,12 @@ def reproduce(args, device: str, preset_name: str) -> int:
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
-    mine = {id(cfg) for k, cfg in enumerate(everything) if (k in picked if picked else k % n_shards == shard)}
+    mine = {id(cfg) for k, cfg in enumerate(everything)
+            if not args.partial and (k in picked if picked else k % n_shards == shard)}
     todo = {id(cfg) for cfg in everything
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
-    part = f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs else None
+    part = (f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs
+            else "--partial" if args.partial else None)
     times = print_plan(everything, todo, mine, args.jobs, part)
     if args.plan:
         return 0
@@ -1057,19 +1065,24 @@ def reproduce(args, device: str, preset_name: str) -> int:
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
         waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
-        if waiting:                          # a failed run of this shard reads "not run"; others' runs are waited for
+        exp = EXPERIMENTS[name]
+        if waiting and args.partial:
+            exp = dataclasses.replace(exp, scaled=f"{exp.scaled}; this table: the {len(cfgs) - len(waiting)} runs "
+                                      f"present of its {len(cfgs)}, each over its seeds present (--partial)")
+        elif waiting:                        # a failed run of this shard reads "not run"; others' runs are waited for
             print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "
-                  "its table waits for them (run --reproduce again, without --shard or --runs, once they are)")
+                  "its table waits for them (run --reproduce again, without --shard or --runs, once they are; "
+                  "--partial builds it from those present)")
             continue
         write_summaries(cfgs, own_seeds=True)
         for task in sorted({c.task for c in cfgs}):      # the task's every run, then this experiment's alone
             plot_task(out / task)
             folders = {c.run_dir().parent.name for c in cfgs if c.task == task}
             print(f"wrote {plot_task(out / task, folders, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
-        table = experiment_table(name, EXPERIMENTS[name], out)
+        table = experiment_table(name, exp, out)
         save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
-        if EXPERIMENTS[name].sweep:
-            print(f"wrote {plot_sweep(name + suffix, EXPERIMENTS[name], out)}")
+        if exp.sweep:
+            print(f"wrote {plot_sweep(name + suffix, exp, out)}")
         print(table)
         tables.append(table)
     if args.reproduce == "all" and len(tables) == len(names):   # one file, paper vs this repo for every experiment
@@ -1144,16 +1157,19 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
 
 def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None) -> dict:
     """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
-    and of its part of the list, `part`: "shard I/N" or "--runs K,..."), whether this command trains it
+    and of its part of the list, `part`: "shard I/N", "--runs K,..." or "--partial"), whether this command trains it
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
     with another seed, per step) or estimated (the run of the same task and method with the closest
     settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
-    print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part else "")
+    present = sum((cfg.run_dir() / "metrics.json").exists() for cfg in everything)
+    print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part and part != "--partial" else "")
+          + (f", {present} present (--partial trains nothing)" if part == "--partial" else "")
           + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()
-                 else "other shard" if (part or "").startswith("shard") else "not picked")
+                 else "other shard" if (part or "").startswith("shard") else "missing" if part == "--partial"
+                 else "not picked")
         line = f"  {k:3d} {state:11s} {cfg.run_dir()}"
         if state == "train":
             seconds, how = time_of(cfg)

@@ -327,6 +327,38 @@ def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them
     assert code == 0 and "2 runs; 2 to train" in stdout
 
 
+def test_partial_builds_the_table_from_the_runs_present_and_trains_nothing(capsys, tmp_path, monkeypatch):
+    """--partial with one run of four missing: nothing trains, the table stands on the runs present, each
+    over its own seeds (nope 1, rope 2), says so, and gives no verdict on one common seed; the missing run
+    reads "missing" in the plan. With --shard, --runs, --force or --plan, or without --reproduce, it is
+    one line and trains nothing. A plain --reproduce then trains the missing run and drops the note."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], select=("best_seed",), checks=[("copy/rope", "copy/nope", 0)]))
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, stdout, _ = run_cli(capsys, *args, "--runs", "0,2,3")
+    assert code == 0 and "--partial builds it from those present" in stdout
+    before = present(out)
+    for bad in (["--runs", "1"], ["--shard", "1/2"], ["--force"], ["--plan"]):
+        code, _, err = run_cli(capsys, *args, "--partial", *bad)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--partial" in err, (bad, err)
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--partial")
+    assert code == 2 and "--partial applies with --reproduce NAME only" in err
+    code, stdout, _ = run_cli(capsys, *args, "--partial")
+    assert code == 0 and present(out) == before and len(before) == 3
+    assert "4 runs, 3 present (--partial trains nothing); 0 to train" in stdout and "missing     " in stdout
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert "this table: the 3 runs present of its 4, each over its seeds present (--partial)" in table
+    rows = {r.split(" | ")[0]: r for r in table.splitlines() if "| this repo, last checkpoint" in r}
+    assert "| 1 | cpu" in rows["| copy/nope"]
+    assert "| 2 | cpu" in rows["| copy/rope"] and "best of 2 seeds" in table and "best of 1 seeds" in table
+    assert "no verdict (fewer than 3 seeds" in table and "of 1 seeds -- " in table
+    code, stdout, _ = run_cli(capsys, *args)
+    table = (out / "reproduce" / "tiny.md").read_text()
+    assert code == 0 and "1 to train" in stdout and len(present(out)) == 4 and "--partial" not in table
+    assert "| 2 | cpu" in table.split("copy/nope | this repo, last checkpoint")[1].splitlines()[0]
+
+
 def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys, tmp_path, monkeypatch):
     """--plan prints the run list and stops; a run present on a GPU gives no time for the CPU's runs."""
     out = tiny_seeded(tmp_path, monkeypatch)

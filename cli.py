@@ -350,10 +350,15 @@ def stop_signals():
     """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
     instead of interrupting wherever Python happens to be (only the main thread gets signals).
     Once the loop has set flag["now"] (its message: training is done and checkpointed), a signal
-    raises Interrupted at once, so that a long final evaluation stops within a moment. After a stop,
-    SIGTERM stays ignored: `timeout` and Slurm signal the process and then its whole group, and the
-    second signal would otherwise kill the process before it says where it stopped."""
-    flag = {"stop": None}
+    raises Interrupted at once, so that a long final evaluation stops within a moment. Python drops
+    an exception raised while it runs a finalizer (a data loader's __del__, say): flag["check"](),
+    which the final evaluation calls before each pass, raises it again. After a stop, SIGTERM stays
+    ignored: `timeout` and Slurm signal the process and then its whole group, and the second signal
+    would otherwise kill the process before it says where it stopped."""
+    def check():
+        if flag["stop"] and flag.get("now"):
+            raise Interrupted(flag["now"])
+    flag = {"stop": None, "check": check}
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return

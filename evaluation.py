@@ -33,7 +33,7 @@ def score(logits, y):
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
              batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15,
-             precision: str = "bf16") -> list[dict]:
+             precision: str = "bf16", stop=None) -> list[dict]:
     """Exact-match and token accuracy at every test length (and every task variant). Uses its
     own generator (`stream` 1: the test set; 2: the held-out set of evaluations during training),
     so evaluating never changes the training data stream. A task with a finite test set (SCAN)
@@ -42,7 +42,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     tokens_per_batch tokens (few enough that PRISM with 512 bins and more, whose memory grows with
     tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
     memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
-    a function of the length (ViPE's rules); each row records its s."""
+    a function of the length (ViPE's rules); each row records its s. `stop`, if given, is called before
+    each forward pass and may raise to end the evaluation (train.train's final one: cli.stop_signals)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
@@ -60,6 +61,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
                     yield k, r["s"], every[r["length"]].take(start, start + batch_size)
 
     def scores(group):                                     # (examples, 3): exact, right tokens, supervised
+        if stop:
+            stop()
         batch = collate([b for _, _, b in group], task.pad_id)
         with autocast(device, precision):
             logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))

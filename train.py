@@ -431,17 +431,17 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         stream.close()                           # stops the data workers, however the loop ends
     wall, (ran, loop, wait) = time.time() - t0, timing()
     train_step.release()
-    # from here a signal stops the run at once (cli.stop_signals): the checkpoint of the last step is
-    # written, and --resume goes straight to the evaluation
+    # from here a signal stops the run at once (cli.stop_signals; flag["check"] before each pass of the
+    # evaluation): the checkpoint of the last step is written, and --resume goes straight to the evaluation
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")
 
     train_max = max(train_lengths)
     final = Final(cfg.model.opts, train_max, test_lengths, log,
                   evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, s, precision=cfg.precision),
-                  finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag,
-                                                     steps, s))
+                                                           cfg.task_opts, s, precision=cfg.precision,
+                                                           stop=flag.get("check")),
+                  finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag, steps, s))
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
         else (final.evaluate(test_lengths), {})
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]

@@ -184,6 +184,29 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once_and_resume_finishes(capsys
     assert metrics["steps_per_s"] == round(ckpt["timed"][0] / ckpt["timed"][1], 2) > 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_python_drops_in_a_finalizer_still_stops_the_final_evaluation(capsys, tmp_path, monkeypatch):
+    """The signal's Interrupted is raised while Python runs a finalizer (as a data loader's __del__ can
+    be, when the final evaluation starts): Python drops it and goes on. The evaluation's next pass
+    raises it again (flag["check"]), so the run stops with its checkpoint and no metrics."""
+    out, real = tmp_path / "runs", train.evaluate
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10 ** 6):                  # the handler runs here, inside the finalizer
+                pass
+
+    def evaluate_after_a_dropped_signal(*a, **k):
+        Finalized()                                   # collected at once: its __del__ gets the signal
+        return real(*a, **k)
+    monkeypatch.setattr(train, "evaluate", evaluate_after_a_dropped_signal)
+    code, _, err = cli_run(capsys, *TINY, "--method", "rope", "--out", str(out))
+    run_dir = out / "copy" / "rope" / "seed0"
+    assert code == 130 and "during the final evaluation" in err, err
+    assert not (run_dir / "metrics.json").exists() and (run_dir / train.CKPT).exists()
+
+
 def test_a_signal_raises_at_once_only_after_training(monkeypatch):
     with cli.stop_signals() as flag:
         os.kill(os.getpid(), signal.SIGINT)

@@ -1166,10 +1166,9 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
     with another seed, per step) or estimated (the run of the same task and method with the closest
     settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
-    present = sum((cfg.run_dir() / "metrics.json").exists() for cfg in everything)
-    print(f"{len(everything)} runs" + (f", {part}: {len(mine)} of them" if part and part != "--partial" else "")
-          + (f", {present} present (--partial trains nothing)" if part == "--partial" else "")
-          + f"; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
+    some = (f", {sum((c.run_dir() / 'metrics.json').exists() for c in everything)} present (--partial trains nothing)"
+            if part == "--partial" else f", {part}: {len(mine)} of them" if part else "")
+    print(f"{len(everything)} runs{some}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()

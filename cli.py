@@ -812,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
                    "(the numbers --plan prints)")
     g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, build its tables and "
-                   "figures from the runs present (each over its seeds present; the table says which are missing)")
+                   "figures from the runs present (each over its seeds present; the plan lists the missing ones)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "

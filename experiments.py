@@ -627,7 +627,7 @@ def seed_values(out: Path, run: str, selector, metric: str, only: list[int] | No
 
 def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
     """The verdict rule for an experiment's claim (exp.checks): a comparison of two runs holds
-    when it holds in the mean over seeds and in at least two thirds of the seeds both ran (2 of 3); a
+    when it holds in the mean over the seeds both ran and in at least two thirds of them (2 of 3); a
     threshold holds in the mean. "yes" when every check holds, "no" when none does, else "partly";
     no verdict with fewer than MIN_SEEDS seeds or a run missing. Returns it and one line per check."""
     if not exp.checks:
@@ -643,7 +643,10 @@ def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
             short.append(True)
             held.append(False)
             continue
-        mean = {x: float(np.mean(list(v.values()))) for x, v in runs.items()}
+        if len(runs) == 2:                     # like with like: means and wins over the seeds both ran
+            both = sorted(set(runs[a]) & set(runs[b]))
+            runs = {x: {k: v[k] for k in both} for x, v in runs.items()}
+        mean = {x: float(np.mean(list(v.values()))) if v else float("nan") for x, v in runs.items()}
         va, vb = mean.get(a, a), mean.get(b, b)
         ok = beats(va, vb)
         if isinstance(a, str) and isinstance(b, str):
@@ -654,7 +657,6 @@ def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
             say = f"{b} {'above' if lower else 'below'} {a:g} in {name}: mean {vb:.3f}"
         n_seeds = min(len(v) for v in runs.values())
         if len(runs) == 2:
-            both = sorted(set(runs[a]) & set(runs[b]))
             wins = sum(beats(runs[a][k], runs[b][k]) for k in both)
             ok = ok and 3 * wins >= 2 * len(both)
             n_seeds = len(both)
@@ -706,7 +708,7 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
     if not exp.checks:
         return "\n".join(lines)
     word, checks = verdict(exp, out)
-    lines += ["", "Verdict (each comparison in the mean over seeds and in two thirds of the seeds (2 of 3, 4 of 5), "
+    lines += ["", "Verdict (each comparison in the mean over the seeds both ran and in two thirds of them (2 of 3, 4 of 5), "
                   f"a threshold in the mean; last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines)
 

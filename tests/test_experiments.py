@@ -900,6 +900,21 @@ def test_verdict_follows_the_rule_mean_and_two_of_three_seeds(tmp_path):
     assert experiments.verdict(exp([("t/b", "t/f", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
 
 
+def test_verdict_compares_two_runs_over_the_seeds_both_ran(tmp_path):
+    """With more seeds in one run than in the other (--partial), the means are over the seeds both have:
+    a's two extra seeds would lift its mean over all of its own seeds (0.600) above b's (0.567)."""
+    for seed, v in enumerate([0.5, 0.5, 0.0, 1.0, 1.0]):
+        write_seed(tmp_path, "t/a", seed, v)
+    for seed, v in enumerate([0.4, 0.4, 0.9]):
+        write_seed(tmp_path, "t/b", seed, v)
+    exp = experiments.Experiment(claim="", runs=[], columns=[("beyond", (2, 2), "exact")], paper={}, scaled="",
+                                 checks=[("t/a", "t/b", 0), ("t/a", 0.55, 0)], seeds=[0, 1, 2, 3, 4])
+    word, lines = experiments.verdict(exp, tmp_path)
+    assert lines[0] == "t/a above t/b in beyond: mean 0.333 vs 0.567; 2 of 3 seeds -- does not hold", lines
+    assert lines[1] == "t/a above 0.55 in beyond: mean 0.600 -- holds", lines   # a threshold: all of a's seeds
+    assert word.startswith("partly: 1 of 2")
+
+
 def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
     """Each check names runs of the experiment (at both budgets) and one of its columns."""
     for name, exp in experiments.EXPERIMENTS.items():

@@ -389,6 +389,9 @@ def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkp
     assert code == 0 and present(out) == ["copy/nope/seed1", "copy/rope/seed1"]
     assert "4 runs, --runs 1,3: 2 of them; 2 to train" in stdout and stdout.count("not picked") == 2
     assert "its table waits for them" in stdout and not (out / "reproduce" / "tiny.md").exists()
+    assert "present already" not in stdout
+    code, stdout, _ = run_cli(capsys, *args, "--runs", "1,2,3", "--plan")   # 1 and 3 are present: the plan says so
+    assert code == 0 and "--runs: run(s) 1, 3 present already, not trained again (--force reruns them)" in stdout
     real, calls = train.Step.__call__, {"n": 0}
 
     def stop_after_3(self, batch):

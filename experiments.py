@@ -450,7 +450,8 @@ UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4,
 # the full setups keep the quick runs' optimiser (the GPU preset), train longer and test on more examples.
 PATH_FULL = ("the paper's model (section 4.1), which is all the paper states for these tasks: no optimiser, "
              "steps or seeds, so the GPU preset's optimiser, seeds 0-2 and {steps} steps x {batch}; {eval}; {ran}")
-NOT_RUN = "not run yet (a few minutes a run alone at the quick runs' speeds)"
+PATH_ALONE = ("alone on one H100 a flip-flop run takes 1-2 minutes, an MQRAR run at N = 4 1.5 (RoPE) to 3.1 (PaTH, "
+              "steps only) (docs/perf/training.md, \"The full budget's runs alone\")")
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -464,7 +465,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         seeds=[0, 1, 2], checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
-                                                           "setting (smallest non-zero error ~0.0005 %)", ran=NOT_RUN))),
+                                                           "setting (smallest non-zero error ~0.0005 %)", ran=PATH_ALONE))),
     "path-a5": Experiment(
         claim="A5 word problem over the generators (1 2 3), (1 2 4), (1 2 5) and their inverses, sequences "
               "of 20: PaTH needs fewer layers than RoPE to solve it (solved = accuracy above 90 %; the paper: "
@@ -501,7 +502,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                         for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="12k", batch=64, eval="1,024 test sequences; 32 "
                                                            "keys, 384 assignments (768 tokens), as in the paper",
-                                                  ran=NOT_RUN))),
+                                                  ran=PATH_ALONE))),
     "vipe-poly": _vipe_experiment("polynomial"),
     "vipe-parity": _vipe_experiment("parity"),
     "vipe-binary-copy": _vipe_experiment("binary_copy"),

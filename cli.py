@@ -1061,7 +1061,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     times = print_plan(everything, todo, mine, args.jobs, part)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so
-        print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again (--force reruns them)")
+        print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again "
+              "(--force reruns them)")
     if args.plan:
         return 0
     # one queue for the runs of every experiment, so that a job (a GPU) done with one experiment's runs takes

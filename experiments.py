@@ -379,8 +379,8 @@ PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shif
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
               "(0.9, 0.98) at 9e-5, batch 100, its curriculum schedule, the mean of the 3 best evaluations, "
               "every 1k steps once the loss is below 0.1); 1,000 examples at each test length (the paper: a "
-              "test set of 1,000 examples); a width of 210 for its 192 (35 heads must divide it); the gate head starting to count as in the quick runs (the paper gives no "
-              "initialisation); {more}; {steps}")
+              "test set of 1,000 examples); a width of 210 for its 192 (35 heads must divide it); the gate head "
+              "starting to count as in the quick runs (the paper gives no initialisation); {more}; {steps}")
 PRISM_FIT = ("10k of its 150k steps (6.7 %), the most that fit the 9 minutes a run may take with an evaluation "
              "every 1k steps: compiled (--compile), alone on one H100, PRISM trains add_cot at 29.9 steps/s at "
              "its longest length and evaluates it in 15.9 s, copy at 124.1 steps/s and 32.9 s (commit 341c16d), "
@@ -465,7 +465,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         seeds=[0, 1, 2], checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
-                                                           "setting (smallest non-zero error ~0.0005 %)", ran=PATH_ALONE))),
+                                                           "setting (smallest non-zero error ~0.0005 %)",
+                                                           ran=PATH_ALONE))),
     "path-a5": Experiment(
         claim="A5 word problem over the generators (1 2 3), (1 2 4), (1 2 5) and their inverses, sequences "
               "of 20: PaTH needs fewer layers than RoPE to solve it (solved = accuracy above 90 %; the paper: "
@@ -714,8 +715,8 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
     if not exp.checks:
         return "\n".join(lines)
     word, checks = verdict(exp, out)
-    lines += ["", "Verdict (each comparison in the mean over the seeds both ran and in two thirds of them (2 of 3, 4 of 5), "
-                  f"a threshold in the mean; last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
+    lines += ["", "Verdict (each comparison in the mean over the seeds both ran and in two thirds of them (2 of 3, "
+                  f"4 of 5), a threshold in the mean; last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines)
 
 

@@ -278,6 +278,9 @@ def saved_diff(saved: dict, cfg: TrainConfig, keys) -> str:
     new = asdict(cfg)
     new["model"].update(vocab_size=len(task.vocab), causal=task.causal)
     saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
+    if saved["method"] == "vipe":              # runs from when ViPE's two options were fields of the run
+        old = {"vipe_finetune": saved.get("finetune_steps", 0), "vipe_s": saved.get("s_rule", "fixed")}
+        saved["model"]["opts"] = {**{k: v for k, v in old.items() if v not in (0, "fixed")}, **saved["model"]["opts"]}
     return config_diff(saved, new, keys)
 
 
@@ -377,6 +380,25 @@ def stop_signals():
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
 EXEC_KEYS = {"device", "workers", "graphs", "compile", "log_every", "ckpt_every", "preset", "out"}
+
+
+def other_setup(cfgs: list[TrainConfig], like) -> dict:
+    """{id of a config: the options that differ} for each run present (its metrics.json) that was made
+    with other options than its experiment's setup: a setup changed since, whose old results a table
+    must not take for the new. Each run is judged against the setup under the preset it was made
+    with, `like(k, preset)`: run k's config under that preset (so a CPU builds the tables of GPU
+    runs). Runs whose metrics hold no readable config are not judged."""
+    keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]
+    found = {}
+    for k, cfg in enumerate(cfgs):
+        try:
+            saved = json.loads((cfg.run_dir() / "metrics.json").read_text())["config"]
+            diff = saved_diff(saved, like(k, saved["preset"]), keys)
+        except Exception:
+            continue
+        if diff:
+            found[id(cfg)] = diff
+    return found
 
 
 def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
@@ -1058,13 +1080,26 @@ def reproduce(args, device: str, preset_name: str) -> int:
             if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
     part = (f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs
             else "--partial" if args.partial else None)
-    times = print_plan(everything, todo, mine, args.jobs, part)
+    presets = {preset_name: everything}                  # the run list under each preset a present run was made with
+
+    def like(k, name):
+        if name not in presets:
+            presets[name] = [cfg for n in names for cfg in experiment_configs(EXPERIMENTS[n], args.device, args.out,
+                                                                               name, how)]
+        return presets[name][k]
+    other = {k: v for k, v in other_setup(everything, like).items() if k not in todo}   # --force retrains todo's
+    times = print_plan(everything, todo, mine, args.jobs, part, other)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so
         print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again "
               "(--force reruns them)")
     if args.plan:
         return 0
+    if other:
+        first = next(cfg for cfg in everything if id(cfg) in other)
+        raise UsageError(f"{len(other)} run(s) present were made with other options than the setup now (the plan "
+                         f"says which; {first.run_dir()}: {other[id(first)]}), so a table would take them for the "
+                         "new setup: --force reruns them (with --runs or --shard picking them), or move them aside")
     # one queue for the runs of every experiment, so that a job (a GPU) done with one experiment's runs takes
     # the next one's; the longest first (those of unknown time before them), so that the last to end are short
     queue = sorted((cfg for cfg in everything if id(cfg) in todo),
@@ -1164,9 +1199,11 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
     return set(picked)
 
 
-def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None) -> dict:
+def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None,
+               other: dict) -> dict:
     """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
-    and of its part of the list, `part`: "shard I/N", "--runs K,..." or "--partial"), whether this command trains it
+    and of its part of the list, `part`: "shard I/N", "--runs K,..." or "--partial", `other`: runs
+    present with other options, from other_setup), whether this command trains it
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
     with another seed, per step) or estimated (the run of the same task and method with the closest
     settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
@@ -1175,10 +1212,11 @@ def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, p
     print(f"{len(everything)} runs{some}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
-        state = ("train" if id(cfg) in todo else "present" if (cfg.run_dir() / "metrics.json").exists()
+        state = ("train" if id(cfg) in todo else "other setup" if id(cfg) in other
+                 else "present" if (cfg.run_dir() / "metrics.json").exists()
                  else "other shard" if (part or "").startswith("shard") else "missing" if part == "--partial"
                  else "not picked")
-        line = f"  {k:3d} {state:11s} {cfg.run_dir()}"
+        line = f"  {k:3d} {state:11s} {cfg.run_dir()}" + (f"  ({other[id(cfg)]})" if id(cfg) in other else "")
         if state == "train":
             seconds, how = time_of(cfg)
             done = checkpoint_step(cfg)

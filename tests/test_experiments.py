@@ -379,6 +379,46 @@ def test_plan_trains_nothing_and_times_only_from_the_same_kind_of_device(capsys,
         assert code == 2 and "no CUDA GPU is available" in err
 
 
+def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one(capsys, tmp_path, monkeypatch):
+    """After the experiment's setup changes (rope's steps 6 -> 7), its present rope runs read "other setup"
+    in the plan with what differs, and a command that would train or build the table stops with one line
+    before anything is written; --force with --runs retrains them. A run is judged under the preset it was
+    made with (GPU runs are not "other" to a table built on a CPU), and runs from when ViPE's fine-tuning
+    was a field of the run (finetune_steps) are not "other" either."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    assert run_cli(capsys, *args)[0] == 0
+    exp = experiments.EXPERIMENTS["tiny"]
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        exp, runs=[exp.runs[0], {**exp.runs[1], "steps": 7}]))
+    code, stdout, _ = run_cli(capsys, *args, "--plan")
+    assert code == 0 and stdout.count("other setup") == 2 and "  (steps: 6 -> 7)" in stdout
+    assert "present     " + str(out / "copy" / "nope" / "seed1") in stdout
+    (out / "reproduce" / "tiny.md").unlink()
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "2 run(s) present were made with other options" in err
+    assert not (out / "reproduce" / "tiny.md").exists()
+    code, stdout, _ = run_cli(capsys, *args, "--runs", "2,3", "--force")
+    assert code == 0 and "2 to train" in stdout and (out / "reproduce" / "tiny.md").exists()
+    assert json.loads((out / "copy" / "rope" / "seed0" / "metrics.json").read_text())["config"]["steps"] == 7
+    assert "other setup" not in run_cli(capsys, *args, "--plan")[1]
+    # a run made with the GPU preset, whose other settings differ from the CPU preset's
+    run0 = out / "copy" / "nope" / "seed0" / "metrics.json"
+    gpu = train.asdict(make_config({**exp.runs[0], "seed": 0, "out": str(out)}, "gpu"))
+    gpu["model"].update({k: json.loads(run0.read_text())["config"]["model"][k] for k in ("vocab_size", "causal")})
+    assert cli.saved_diff(gpu, make_config({**exp.runs[0], "seed": 0}, "cpu"), ["lr", "n_eval"])
+    run0.write_text(json.dumps({"config": gpu}))
+    assert "other setup" not in run_cli(capsys, *args, "--plan")[1]
+    # a ViPE run of the time when its fine-tuning steps were a field of the run
+    new = make_config(dict(task="parity", method="vipe", opts={"vipe_finetune": 200}), "cpu")
+    old = train.asdict(new)
+    old["model"].update(opts={}, vocab_size=len(cli.TASKS["parity"].vocab))   # train() sets the vocabulary
+    old.update(finetune_steps=200, s_rule="fixed")
+    assert cli.saved_diff(old, new, ["steps", "model"]) == ""
+    old["finetune_steps"] = 100
+    assert cli.saved_diff(old, new, ["model"]) == "model.opts: {'vipe_finetune': 100} -> {'vipe_finetune': 200}"
+
+
 def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkpoint(capsys, tmp_path, monkeypatch):
     """--runs 1,3 trains runs 1 and 3 of the fixed list only. A run that a signal stopped after its
     third step (a preempted Slurm task, the end of a GPU visit) continues from its checkpoint under

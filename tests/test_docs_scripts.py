@@ -188,6 +188,12 @@ def test_loss_jumps_settled_needs_a_whole_window_below_the_threshold():
               (9, 0.001), (10, 0.001), (11, 0.002), (12, 0.0005)]
     assert loss_jumps.settled(losses, 3) == 4 and loss_jumps.settled(losses, 4) == 8
     assert loss_jumps.settled(losses, 6) is None and loss_jumps.settled(losses[:11], 4) == 8
+    # after settling at 4: up to 1.5 at 6 (back below 0.01 at 9); 0.5 (not a jump); 1.2 at 11 (back at 13), whose
+    # 2.0 at 12 is the same jump; 3.0 at 15, never back down
+    losses = [(1, 2.0), (4, 0.001), (6, 1.5), (7, 0.3), (9, 0.005), (10, 0.5), (11, 1.2), (12, 2.0), (13, 0.002),
+              (14, 0.1), (15, 3.0), (16, 0.4)]
+    assert loss_jumps.jumps(losses, 4) == [[6, 3], [11, 2], [15, None]] and loss_jumps.jumps(losses, None) == []
+    assert loss_jumps.jumps(losses, 11) == [[15, None]]
 
 
 @pytest.mark.parametrize("method", ["vipe", "rope"])

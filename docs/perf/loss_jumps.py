@@ -1,7 +1,8 @@
 """Does a run's training loss stay down once it got there? For each run folder: the step where the
 loss first fell below 0.01, the highest loss after that step (and where); the step from which it
 first stayed below 0.01 for --window steps (the end of the learning phase, where a single low batch
-does not count) and the highest loss after that; the largest attention logit at the first and last
+does not count), the highest loss after that, how often it jumped back to 1 or more after that, the
+last jump's step and the most steps one took to fall below 0.01 again (None: one never did); the largest attention logit at the first and last
 checkpoints, the in-distribution exact match (s = 1 rows) where the run has finished; from
 metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every loss). With
 --every N, also each N-step interval's highest loss and largest logit, the timeline of a run that
@@ -39,6 +40,18 @@ def settled(losses, window: int):
     return None
 
 
+def jumps(losses, after, high: float = 1.0) -> list:
+    """[step, steps until the loss is below 0.01 again (None: never)] for each time after step `after`
+    (None: no time) that the loss rises to `high` or more from below it: the jumps of a settled run."""
+    out, before = [], 0.0
+    for k, (s, v) in enumerate(losses):
+        if after is not None and s > after and v >= high > before:
+            back = next((t for t, w in losses[k:] if w < 0.01), None)
+            out.append([s, None if back is None else back - s])
+        before = v
+    return out
+
+
 def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
     if (run / "metrics.json").exists():
         m = json.loads((run / "metrics.json").read_text())
@@ -56,9 +69,13 @@ def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
     calm = settled(losses, window)
     late = [(v, s) for s, v in losses if calm is not None and s >= calm]
     late_peak, late_at = max(late) if late else (None, None)
+    back = jumps(losses, calm)
+    longest = None if any(t is None for _, t in back) else max((t for _, t in back), default=None)
     row = {"run": str(run), "finished": done, "steps": losses[-1][0] if losses else 0,
            "first_below_0.01": first, "max_loss_after": peak, "at_step": at,
            f"below_0.01_for_{window}": calm, "max_loss_after_that": late_peak, "at_step_after_that": late_at,
+           "jumps_to_1_after_that": len(back), "last_jump": back[-1][0] if back else None,
+           "longest_return_below_0.01": longest,
            "logit_max_first": max(logits[0][1]) if logits else None,
            "logit_max_last": max(logits[-1][1]) if logits else None, "in_dist_exact": in_dist}
     if every:

@@ -4,10 +4,9 @@ first stayed below 0.01 for --window steps (the end of the learning phase, where
 does not count), the highest loss after that, how often it jumped back to 1 or more after that, the
 last jump's step and the most steps one took to fall below 0.01 again (None: one never did); the
 largest attention logit at the first and last checkpoints, the in-distribution exact match (s = 1
-rows) where the run has finished; from
-metrics.json (its loss_peak) or, for a run still going, from checkpoint.pt (every loss). With
---every N, also each N-step interval's highest loss and largest logit, the timeline of a run that
-leaves zero loss.
+rows) where the run has finished; from metrics.json (its loss_peak) or, for a run still going, from
+checkpoint.pt (every loss). With --every N, also each N-step interval's highest loss and largest
+logit, the timeline of a run that leaves zero loss.
 
     python docs/perf/loss_jumps.py runs/parity/vipe-wd0-long/seed* [--json OUT] [--every 5000] [--window 1000]
     python docs/perf/loss_jumps.py A.json B.json --plot docs/vipe_long_runs.png   # earlier --json outputs, drawn

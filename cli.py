@@ -380,6 +380,7 @@ def stop_signals():
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
 EXEC_KEYS = {"device", "workers", "graphs", "compile", "log_every", "ckpt_every", "preset", "out"}
+RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
 def other_setup(cfgs: list[TrainConfig], like) -> dict:
@@ -388,12 +389,11 @@ def other_setup(cfgs: list[TrainConfig], like) -> dict:
     must not take for the new. Each run is judged against the setup under the preset it was made
     with, `like(k, preset)`: run k's config under that preset (so a CPU builds the tables of GPU
     runs). Runs whose metrics hold no readable config are not judged."""
-    keys = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]
     found = {}
     for k, cfg in enumerate(cfgs):
         try:
             saved = json.loads((cfg.run_dir() / "metrics.json").read_text())["config"]
-            diff = saved_diff(saved, like(k, saved["preset"]), keys)
+            diff = saved_diff(saved, like(k, saved["preset"]), RUN_KEYS)
         except Exception:
             continue
         if diff:
@@ -413,7 +413,7 @@ def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
         try:
             saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
                 torch.load(path, map_location="cpu", weights_only=False)["config"]
-            diff = saved_diff(saved, cfg, [f.name for f in dataclasses.fields(cfg) if f.name not in EXEC_KEYS])
+            diff = saved_diff(saved, cfg, RUN_KEYS)
         except Exception:   # an unreadable file holds no result to keep: it is overwritten
             continue
         if diff:

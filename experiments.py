@@ -657,7 +657,10 @@ def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
         va, vb = mean.get(a, a), mean.get(b, b)
         ok = beats(va, vb)
         if isinstance(a, str) and isinstance(b, str):
-            say = f"{a} {'below' if lower else 'above'} {b} in {name}: mean {va:.3f} vs {vb:.3f}"
+            d = 3                              # more digits where three would print a difference as a tie
+            while d < 6 and va != vb and f"{va:.{d}f}" == f"{vb:.{d}f}":
+                d += 1
+            say = f"{a} {'below' if lower else 'above'} {b} in {name}: mean {va:.{d}f} vs {vb:.{d}f}"
         elif isinstance(a, str):
             say = f"{a} {'below' if lower else 'above'} {b:g} in {name}: mean {va:.3f}"
         else:

@@ -958,6 +958,19 @@ def test_verdict_compares_two_runs_over_the_seeds_both_ran(tmp_path):
     assert word.startswith("partly: 1 of 2")
 
 
+def test_verdict_prints_the_digits_that_tell_two_close_means_apart(tmp_path):
+    """Means that round to the same three decimals print with more, so a holding check never reads as a tie."""
+    for seed in range(3):
+        write_seed(tmp_path, "t/a", seed, 1.0)
+        write_seed(tmp_path, "t/b", seed, 0.9997)
+        write_seed(tmp_path, "t/c", seed, 1.0)
+    exp = experiments.Experiment(claim="", runs=[], columns=[("beyond", (2, 2), "exact")], paper={}, scaled="",
+                                 checks=[("t/a", "t/b", 0), ("t/a", "t/c", 0)], seeds=[0, 1, 2])
+    lines = experiments.verdict(exp, tmp_path)[1]
+    assert lines[0] == "t/a above t/b in beyond: mean 1.0000 vs 0.9997; 3 of 3 seeds -- holds", lines
+    assert lines[1] == "t/a above t/c in beyond: mean 1.000 vs 1.000; 0 of 3 seeds -- does not hold", lines
+
+
 def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
     """Each check names runs of the experiment (at both budgets) and one of its columns."""
     for name, exp in experiments.EXPERIMENTS.items():

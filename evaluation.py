@@ -16,6 +16,8 @@ Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -104,6 +106,21 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()                           # back to the runs that share the GPU
     return rows
+
+
+def json_text(obj, depth: int = 0) -> str:
+    """JSON laid out by its structure, as train.save_atomic writes every .json file: a list or dict that holds
+    lists or dicts gets a line per element; one of plain values (a row above, a loss pair, the seeds) is one
+    line. A row reads on one line, and a run's metrics take a quarter less space than with a number a line."""
+    if not isinstance(obj, (dict, list)):
+        return json.dumps(obj)
+    items = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]
+    if not any(isinstance(v, (dict, list)) for _, v in items):
+        return json.dumps(obj)
+    inner = [" " * (depth + 1) + (f"{json.dumps(k)}: " if k is not None else "") + json_text(v, depth + 1)
+             for k, v in items]
+    opening, closing = "{}" if isinstance(obj, dict) else "[]"
+    return opening + "\n" + ",\n".join(inner) + "\n" + " " * depth + closing
 
 
 def summary_line(rows, train_max) -> str:

@@ -17,7 +17,6 @@ if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) 
     import cli
     sys.exit(cli.main())
 
-import json
 import math
 import os
 import pickle
@@ -38,7 +37,7 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from evaluation import evaluate, summary_line
+from evaluation import evaluate, json_text, summary_line
 from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
                    largest_logits)
 from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
@@ -157,7 +156,7 @@ def save_atomic(obj, path: Path, **savefig):
             if isinstance(obj, str):
                 f.write(obj.encode())
             elif path.suffix == ".json":
-                f.write(json.dumps(obj, indent=1).encode())
+                f.write(json_text(obj).encode())
             elif hasattr(obj, "savefig"):
                 obj.savefig(f, format=path.suffix.lstrip("."), **savefig)
             else:

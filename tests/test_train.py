@@ -610,6 +610,23 @@ def test_concurrent_atomic_writes_do_not_collide(tmp_path):
     assert not errors and json.loads(path.read_text())["i"] == 299 and not list(tmp_path.glob("*.tmp"))
 
 
+def test_metrics_json_puts_a_row_on_a_line_and_reads_back_the_same(tmp_path):
+    """save_atomic's JSON: every value reads back equal (NaN, nesting, empty containers, strings with brackets);
+    an eval row, a loss pair and a list of seeds are one line each, a dict of dicts a line per key."""
+    obj = {"task": "copy", "seeds": [0, 1], "note": "a [b] {c}", "empty": {}, "none": [],
+           "eval": [{"name": "1", "exact": 1.0, "token": float("nan")}, {"name": "2", "exact": 0.5, "token": 0.75}],
+           "loss": [[1, 2.0], [101, 0.5]], "config": {"lr": 1e-3, "model": {"d_model": 64, "opts": {"k": 1}}}}
+    train.save_atomic(obj, tmp_path / "m.json")
+    text = (tmp_path / "m.json").read_text()
+    back = json.loads(text)
+    assert math.isnan(back["eval"][0].pop("token")) and obj["eval"][0].pop("token") != 0
+    assert back == obj
+    lines = text.splitlines()
+    assert '  {"name": "2", "exact": 0.5, "token": 0.75}' in lines and "  [101, 0.5]," not in lines
+    assert "  [101, 0.5]" in lines and ' "seeds": [0, 1],' in lines and '   "opts": {"k": 1}' in lines
+    assert ' "config": {' in lines and '  "lr": 0.001,' in lines and ' "empty": {},' in lines
+
+
 def test_a_run_with_other_options_does_not_overwrite_a_run(capsys, tmp_path):
     tiny = ["--task", "mul_padded", "--method", "rope", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
             "--steps", "3", "--batch-size", "8", "--n-eval", "4", "--test-lengths", "5", "--device", "cpu",

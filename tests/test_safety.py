@@ -257,13 +257,13 @@ def test_an_output_folder_under_a_file_is_one_line(capsys, tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_half_file(capsys, tmp_path, monkeypatch):
-    real = train.json.dumps
+    real = train.json_text
 
-    def full(obj, **kw):
+    def full(obj, *args):
         if "eval" in obj:                          # metrics.json, after training: the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(obj, **kw)
-    monkeypatch.setattr(train.json, "dumps", full)
+        return real(obj, *args)
+    monkeypatch.setattr(train, "json_text", full)
     code, _, err = cli_run(capsys, *TINY, "--method", "rope", "--out", str(tmp_path / "runs"))
     one_line_error(code, err, "cannot write the results: [Errno 28] No space left on device")
     run_dir = tmp_path / "runs" / "copy" / "rope" / "seed0"

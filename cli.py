@@ -379,7 +379,7 @@ def stop_signals():
 
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
-EXEC_KEYS = {"device", "workers", "graphs", "compile", "log_every", "ckpt_every", "preset", "out"}
+EXEC_KEYS = {"device", "workers", "graphs", "compile", "runs_at_once", "log_every", "ckpt_every", "preset", "out"}
 RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
@@ -919,18 +919,18 @@ def main(argv=None) -> int:
 
 def speed(args, device: str, n_runs: int) -> dict:
     """How runs are executed, never what they compute: sets args.jobs and each run's data workers,
-    CUDA graphs and torch.compile (see --help)."""
+    CUDA graphs and torch.compile (see --help), and how many runs share a device (the jobs spread over
+    the GPUs; on a CPU, all of them)."""
     cuda = device.startswith("cuda")
+    gpus = visible_gpus() if cuda else []                        # none with --plan on a machine without one
     if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
-        gpus = visible_gpus() if cuda else []                    # none with --plan on a machine without one
         memory = torch.cuda.mem_get_info(0)[0] if gpus else 0   # free now: other commands' runs count
-        n_gpus = len(gpus) if cuda else 1
-        args.jobs = max(1, min(8 * n_gpus, n_runs, n_gpus * (memory // 2**33))) if cuda else 1
+        args.jobs = max(1, min(8 * len(gpus), n_runs, len(gpus) * (memory // 2**33))) if cuda else 1
     if args.jobs < 1 or (args.workers or 0) < 0:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")
     workers = default_workers(args.jobs) if cuda else 0
     return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
-            "compile": bool(args.compile)}
+            "compile": bool(args.compile), "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
 
 
 def default_workers(jobs: int) -> int:
@@ -1247,7 +1247,8 @@ def checkpoint_step(cfg: TrainConfig) -> int:
 
 
 # settings that do not change what one step costs, or that every run has its own of
-NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "preset", "log_every", "ckpt_every"}
+NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "runs_at_once", "preset", "log_every",
+            "ckpt_every"}
 
 
 def differences(a: dict, b: dict) -> int:
@@ -1265,7 +1266,11 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     metrics of runs already present on the same kind of device (a GPU's time says nothing of a CPU's): the
     other seeds of the same run (the median of their times), else the run of the same task and method whose
     settings differ from this one's in the fewest (its time per step, scaled by the batch size). Looked for in
-    --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results")."""
+    --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results").
+    Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
+    k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
+    where the two differ). Small models that leave a GPU idle gain from sharing it (docs/perf/training.md,
+    section 4), so for them the time is overstated."""
     seconds, how = time_in(cfg, Path(cfg.out))
     if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
         seconds, how = time_in(cfg, RESULTS)
@@ -1283,13 +1288,18 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
         ok = m and m["config"]["steps"] and m["config"].get("batch_size") and m["device"].startswith("cpu") == cpu
         return m if ok else None
 
-    def per_step(m):
-        return m["wall_s"] / max(1, m["config"]["steps"])
-    seeds = [(per_step(m), path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
+    def per_step(m):   # alone on its device
+        return m["wall_s"] / max(1, m["config"]["steps"]) / m["config"].get("runs_at_once", 1)
+
+    def shared(ms):
+        there = sorted({m["config"].get("runs_at_once", 1) for m in ms})
+        return "" if there == [cfg.runs_at_once] else \
+            f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here"
+    seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads
-        return float(np.median([t for t, _ in seeds])) * cfg.steps, "measured: " + (
-            seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds")
+        return float(np.median([per_step(m) for m, _ in seeds])) * cfg.steps * cfg.runs_at_once, "measured: " + (
+            seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds") + shared([m for m, _ in seeds])
     settings = asdict(cfg)
     others = [(differences(settings, m["config"]), path.parent.parent.name, m)
               for path in sorted((out / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))
@@ -1297,7 +1307,8 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
     if not others:
         return None, ""
     _, label, m = min(others, key=lambda x: x[0])          # the first of the closest, in folder order
-    return per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"], "estimate: from " + label
+    return (per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"] * cfg.runs_at_once,
+            "estimate: from " + label + shared([m]))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ class TrainConfig:
     workers: int = 0                  # processes that make training batches ahead of the step (0: in the loop)
     graphs: bool = False              # replay each step from a CUDA graph per padded length (CUDA only)
     compile: bool = False             # torch.compile the model (CUDA only)
+    runs_at_once: int = 1             # runs sharing its device as it starts (recorded for the plan's times)
     preset: str = ""                  # the preset the defaults came from (recorded, not used)
     out: str = "runs"                 # output root
     tag: str = ""                     # run name suffix: runs/<task>/<method>[-tag]

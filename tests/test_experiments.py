@@ -1075,6 +1075,25 @@ def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
     assert cli.time_of(cfg) == (pytest.approx(40.0), "measured: median of 3 seeds")
 
 
+def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_device_now(tmp_path, monkeypatch):
+    """A run that shared its device with 3 others took 4 times its time alone; planned 2 to a device, a
+    run takes twice that. --jobs spreads over the GPUs (ceil(jobs / GPUs) to each); a CPU is one device."""
+    base = dict(task="copy", method="rope", device="cpu", out=str(tmp_path), steps=100, batch_size=8, d_model=32)
+    cfg = make_config({**base, "runs_at_once": 4}, "cpu")
+    cfg.run_dir().mkdir(parents=True)
+    (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": 40.0,
+                                                            "device": "cpu (2 cores)"}))
+    planned = make_config({**base, "seed": 1, "runs_at_once": 2}, "cpu")
+    assert cli.time_of(planned) == (pytest.approx(20.0), "measured: seed0, 4 at once there, 2 here")
+    assert cli.time_of(dataclasses.replace(planned, runs_at_once=4)) == (pytest.approx(40.0), "measured: seed0")
+    other = make_config({**base, "seed": 1, "tag": "x", "lr": 3e-4}, "cpu")    # another setup: an estimate
+    assert cli.time_of(other) == (pytest.approx(10.0), "estimate: from rope, 4 at once there, 1 here")
+    args = cli.build_parser().parse_args(["--jobs", "5"])
+    assert cli.speed(args, "cpu", 9)["runs_at_once"] == 5 and cli.speed(args, "cpu", 3)["runs_at_once"] == 3
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0", "1"])
+    assert cli.speed(args, "cuda", 9)["runs_at_once"] == 3 and cli.speed(args, "cuda", 2)["runs_at_once"] == 1
+
+
 def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys, tmp_path, monkeypatch):
     """--reproduce trains its runs longest first by their planned time, those without one first of
     all, whatever their place in the run list (which --shard and --runs number)."""

@@ -1076,8 +1076,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
     mine = {id(cfg) for k, cfg in enumerate(everything)
             if not args.partial and (k in picked if picked else k % n_shards == shard)}
-    todo = {id(cfg) for cfg in everything
-            if id(cfg) in mine and (args.force or not (cfg.run_dir() / "metrics.json").exists())}
+    present = {id(cfg) for cfg in everything if (cfg.run_dir() / "metrics.json").exists()}
+    todo = {id(cfg) for cfg in everything if id(cfg) in mine and (args.force or id(cfg) not in present)}
     part = (f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs
             else "--partial" if args.partial else None)
     presets = {preset_name: everything}                  # the run list under each preset a present run was made with
@@ -1088,7 +1088,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
                                                                                name, how)]
         return presets[name][k]
     other = {k: v for k, v in other_setup(everything, like).items() if k not in todo}   # --force retrains todo's
-    times = print_plan(everything, todo, mine, args.jobs, part, other)
+    times = print_plan(everything, todo, mine, present, args.jobs, part, other)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so
         print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again "
@@ -1199,21 +1199,21 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
     return set(picked)
 
 
-def print_plan(everything: list[TrainConfig], todo: set, mine: set, jobs: int, part: str | None,
+def print_plan(everything: list[TrainConfig], todo: set, mine: set, present: set, jobs: int, part: str | None,
                other: dict) -> dict:
-    """Before training: each run of the list (`todo`, `mine`: ids of the configs this command trains
-    and of its part of the list, `part`: "shard I/N", "--runs K,..." or "--partial", `other`: runs
-    present with other options, from other_setup), whether this command trains it
+    """Before training: each run of the list (`todo`, `mine`, `present`: ids of the configs this command
+    trains, of its part of the list and of those with metrics, `part`: "shard I/N", "--runs K,..." or
+    "--partial", `other`: runs present with other options, from other_setup), whether this command trains it
     (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
     with another seed, per step) or estimated (the run of the same task and method with the closest
     settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
-    some = (f", {sum((c.run_dir() / 'metrics.json').exists() for c in everything)} present (--partial trains nothing)"
+    some = (f", {len(present)} present (--partial trains nothing)"
             if part == "--partial" else f", {part}: {len(mine)} of them" if part else "")
     print(f"{len(everything)} runs{some}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "other setup" if id(cfg) in other
-                 else "present" if (cfg.run_dir() / "metrics.json").exists()
+                 else "present" if id(cfg) in present
                  else "other shard" if (part or "").startswith("shard") else "missing" if part == "--partial"
                  else "not picked")
         line = f"  {k:3d} {state:11s} {cfg.run_dir()}" + (f"  ({other[id(cfg)]})" if id(cfg) in other else "")

@@ -466,7 +466,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
                                                            "setting (smallest non-zero error ~0.0005 %)",
-                                                           ran=PATH_ALONE))),
+                                                           ran=PATH_ALONE + "; these runs: nine at once on one H100, "
+                                                           "then beside MQRAR's on four (wall: each run's share)"))),
     "path-a5": Experiment(
         claim="A5 word problem over the generators (1 2 3), (1 2 4), (1 2 5) and their inverses, sequences "
               "of 20: PaTH needs fewer layers than RoPE to solve it (solved = accuracy above 90 %; the paper: "
@@ -503,7 +504,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                         for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="12k", batch=64, eval="1,024 test sequences; 32 "
                                                            "keys, 384 assignments (768 tokens), as in the paper",
-                                                  ran=PATH_ALONE))),
+                                                  ran=PATH_ALONE + "; these runs: 36 at once on four H100s, "
+                                                  "nine a GPU (wall: each run's share)"))),
     "vipe-poly": _vipe_experiment("polynomial"),
     "vipe-parity": _vipe_experiment("parity"),
     "vipe-binary-copy": _vipe_experiment("binary_copy"),

@@ -1269,8 +1269,8 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results").
     Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
     k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
-    where the two differ). Small models that leave a GPU idle gain from sharing it (docs/perf/training.md,
-    section 4), so for them the time is overstated."""
+    where the two differ; a run that recorded no runs_at_once counts as it ran). Small models that leave a
+    GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated."""
     seconds, how = time_in(cfg, Path(cfg.out))
     if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
         seconds, how = time_in(cfg, RESULTS)
@@ -1288,17 +1288,18 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
         ok = m and m["config"]["steps"] and m["config"].get("batch_size") and m["device"].startswith("cpu") == cpu
         return m if ok else None
 
-    def per_step(m):   # alone on its device
-        return m["wall_s"] / max(1, m["config"]["steps"]) / m["config"].get("runs_at_once", 1)
+    def per_step(m):   # scaled from the runs that shared its device to those that will share this one's
+        there = m["config"].get("runs_at_once")
+        return m["wall_s"] / max(1, m["config"]["steps"]) * (cfg.runs_at_once / there if there else 1)
 
     def shared(ms):
-        there = sorted({m["config"].get("runs_at_once", 1) for m in ms})
-        return "" if there == [cfg.runs_at_once] else \
+        there = sorted({m["config"]["runs_at_once"] for m in ms if "runs_at_once" in m["config"]})
+        return "" if there in ([], [cfg.runs_at_once]) else \
             f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here"
     seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads
-        return float(np.median([per_step(m) for m, _ in seeds])) * cfg.steps * cfg.runs_at_once, "measured: " + (
+        return float(np.median([per_step(m) for m, _ in seeds])) * cfg.steps, "measured: " + (
             seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds") + shared([m for m, _ in seeds])
     settings = asdict(cfg)
     others = [(differences(settings, m["config"]), path.parent.parent.name, m)
@@ -1307,7 +1308,7 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
     if not others:
         return None, ""
     _, label, m = min(others, key=lambda x: x[0])          # the first of the closest, in folder order
-    return (per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"] * cfg.runs_at_once,
+    return (per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"],
             "estimate: from " + label + shared([m]))
 
 

@@ -234,6 +234,7 @@ def numeric_checks(cfg: TrainConfig):
             ("grad_clip", cfg.grad_clip, 0 < cfg.grad_clip < math.inf, "> 0 and finite"),
             ("--n-eval", cfg.n_eval, cfg.n_eval >= 1, ">= 1"),
             ("--eval-every", cfg.eval_every, cfg.eval_every >= 0, ">= 0"),
+            ("--n-eval-during", cfg.n_eval_during, cfg.n_eval_during >= 0, ">= 0"),
             ("--eval-from-loss", cfg.eval_from_loss, 0 <= cfg.eval_from_loss < math.inf, ">= 0 and finite"),
             ("--curriculum-steps", cfg.curriculum_steps, cfg.curriculum_steps >= 0, ">= 0"),
             ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
@@ -887,6 +888,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-eval", type=int, help="evaluation examples per length")
     g.add_argument("--eval-every", type=int, help="also evaluate every N steps on the test set (the history "
                    "feeds the papers' selection rules)")
+    g.add_argument("--n-eval-during", type=int, help="with --eval-every: examples per length in those "
+                   "evaluations (default: --n-eval's)")
     g.add_argument("--eval-from-loss", type=float, help="with --eval-every: start those evaluations once the "
                    "mean training loss of the last N steps is below this (PRISM's paper: 0.1)")
     g.add_argument("--held-out-lengths", help="with --eval-every: also on other examples of these lengths")
@@ -987,7 +990,7 @@ def run_cli(args) -> int:
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
                   task_opts=parse_opts(args.task_opt), n_eval=args.n_eval, eval_every=args.eval_every,
-                  eval_from_loss=args.eval_from_loss,
+                  eval_from_loss=args.eval_from_loss, n_eval_during=args.n_eval_during,
                   held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
                   opts=parse_opts(args.method_opt, "--method-opt") or None)
     cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
@@ -1017,7 +1020,8 @@ def check_applies(args, methods: list[str]):
     not_ape = [m for m in methods if m != "ape"]
     if args.ape_shift is not None and not_ape:
         raise UsageError(f"--ape-shift applies to APE (--method ape) only, not to {', '.join(not_ape)}")
-    for flag, value in (("--held-out-lengths", args.held_out_lengths), ("--eval-from-loss", args.eval_from_loss)):
+    for flag, value in (("--held-out-lengths", args.held_out_lengths), ("--eval-from-loss", args.eval_from_loss),
+                        ("--n-eval-during", args.n_eval_during)):
         if value and not args.eval_every:
             raise UsageError(f"{flag} applies with --eval-every N only (the evaluations during training)")
     if args.curriculum and args.task in TASKS:

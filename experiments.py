@@ -742,8 +742,10 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
             vals = [v for m in seeds if (v := top_k_checkpoints(m, sel, metric)) is not None]
             some = f"; {len(vals)} of {len(seeds)} seeds" if len(vals) < len(seeds) else ""
             cells.append(f"{np.mean(vals):.3f} ({min(vals):.2f}-{max(vals):.2f}{some})" if vals else "-")
-        return ("the paper's rule: mean of the 3 best evaluations during training, mean (min-max) over seeds "
-                "(selects on the test set, as the paper does)", cells)
+        ns = sorted({p["n"] for m in seeds for h in m.get("history", []) for p in h["eval"] if p.get("n")})
+        each = f", {ns[0]} examples per length" if len(ns) == 1 else ""
+        return (f"the paper's rule: mean of the 3 best evaluations during training{each}, mean (min-max) over "
+                "seeds (selects on the test set, as the paper does)", cells)
     chosen = [rows for m in seeds if (rows := best_held_out(m, exp.select[1])) is not None]
     lo, hi = exp.select[1]
     if not chosen:

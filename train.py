@@ -81,8 +81,7 @@ class TrainConfig:
     lr: float = 1e-3                  # peak learning rate (AdamW)
     weight_decay: float = 0.01        # AdamW weight decay
     beta2: float = 0.999              # AdamW's second-moment decay (its first is 0.9)
-    adam_eps: float = 1e-6            # AdamW's epsilon; above PyTorch's 1e-8 so that a run whose loss has
-                                      # gone to ~1e-9 takes no steps of many lr (docs/perf/vipe.md, "Long runs")
+    adam_eps: float = 1e-6            # AdamW's epsilon, above PyTorch's 1e-8 (docs/perf/vipe.md, "Long runs")
     precision: str = "bf16"           # on CUDA: bf16 (autocast) | fp32 (no autocast); the CPU runs fp32
     warmup: int = 100                 # linear warm-up steps, then cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1         # final learning rate as a fraction of the peak
@@ -95,6 +94,7 @@ class TrainConfig:
     train_set: int = 0                # > 0: a fixed training set of this many problems (0: fresh every step)
     n_eval: int = 256                 # evaluation examples per length (and variant)
     eval_every: int = 0               # evaluate during training every this many steps (0: only at the end)
+    n_eval_during: int = 0            # > 0: examples per length in those evaluations (0: n_eval)
     eval_from_loss: float = 0.0       # > 0: they start once the mean loss of the last eval_every steps is below it
     held_out_lengths: list | None = None  # also evaluated then, on other examples (the UPE paper's rule)
     ckpt_every: int = 500             # write a checkpoint every this many steps
@@ -421,9 +421,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                     + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
                 last_log, log_step, log_waited = now, step, waited
             if cfg.eval_every and step % cfg.eval_every == 0 and (history or evaluating()):
-                history.append({"step": step, **{key: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                               cfg.task_opts, stream=stream_id, precision=cfg.precision)
-                                                 for key, stream_id, lengths in sets}})
+                history.append({"step": step, **{key: evaluate(
+                    model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts,
+                    stream=stream_id, precision=cfg.precision) for key, stream_id, lengths in sets}})
                 log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
             if at_checkpoint:
                 checkpoint()

@@ -744,6 +744,15 @@ def test_evaluations_during_training_keep_a_history(tmp_path):
     assert len(torch.load(cfg.run_dir() / "checkpoint.pt", weights_only=False)["history"]) == 2
 
 
+def test_evaluations_during_training_can_take_fewer_examples_than_the_final_one(tmp_path):
+    """--n-eval-during N: the evaluations during training (PRISM's top-3 rule; the paper's test set of
+    1,000 examples in all) take N examples per length, the final evaluation n_eval."""
+    cfg = tiny_config(tmp_path, eval_every=10, n_eval=12, n_eval_during=5, held_out_lengths=[4])
+    metrics = train.train(cfg, log=lambda *_: None)
+    assert {r["n"] for h in metrics["history"] for key in ("eval", "held_out") for r in h[key]} == {5}
+    assert {r["n"] for r in metrics["eval"]} == {12}
+
+
 def test_evaluations_during_training_wait_for_the_loss_when_asked(tmp_path):
     """--eval-from-loss X (PRISM's paper: 0.1): the evaluations during training start at the first evaluation
     step whose mean loss over the last eval_every steps is below X, and go on from there even where the loss

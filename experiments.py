@@ -493,7 +493,7 @@ EXPERIMENTS: dict[str, Experiment] = {
               "PaTH holds its accuracy for N < 4, RoPE and FoX fall as N grows (paper Fig. 2)",
         runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=2000)
               for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
-        columns=[("token acc", (384, 384), "token")],
+        columns=[("token acc", (384, 384), "token"), ("exact (per sequence)", (384, 384), "exact")],
         paper={},
         scaled="2k steps x 64 sequences of 384 assignments, 3 seeds (seed 0 run first; the paper trains to "
                "convergence)",

@@ -7,7 +7,8 @@
 Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token"}.
 One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py
 checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
-experiments.py and cli.py read its rows from each run's metrics.json.
+experiments.py and cli.py read its rows from each run's metrics.json, which `json_text` lays out a row
+a line (train.save_atomic writes every .json file with it).
 
 A file beside train.py rather than a section of it: the loop, its optimiser step and its checkpoints
 fill the 500 lines that train.py may have, and evaluation needs none of them, only a model, a task

@@ -431,11 +431,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         stream.close()                           # stops the data workers, however the loop ends
     wall, (ran, loop, wait) = time.time() - t0, timing()
     train_step.release()
-    # from here a signal stops the run at once (cli.stop_signals; flag["check"] before each pass of the
-    # evaluation): the checkpoint of the last step is written, and --resume goes straight to the evaluation
+    # from here to the evaluation's end a signal stops the run at once (cli.stop_signals; flag["check"] before
+    # each pass of the evaluation): the last step's checkpoint is written, and --resume goes straight to evaluating
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")
-
     train_max = max(train_lengths)
     final = Final(cfg.model.opts, train_max, test_lengths, log,
                   evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
@@ -444,6 +443,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                   finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag, steps, s))
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
         else (final.evaluate(test_lengths), {})
+    flag.pop("now", None)                      # evaluated: a signal from here waits, and the run's files get written
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
     stride = max(1, len(losses) // 500)                    # at most about 1000 of the losses kept
     metrics = {

@@ -185,6 +185,25 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once_and_resume_finishes(capsys
     assert metrics["steps_per_s"] == round(ckpt["timed"][0] / ckpt["timed"][1], 2) > 0
 
 
+def test_a_signal_while_the_evaluated_run_writes_its_files_lets_them_be_written(capsys, tmp_path, monkeypatch):
+    """A stop that comes after the final evaluation, while model.pt is written: the evaluation is not
+    lost (it once raised inside torch.save, whose zip writer then failed the run) and the run is done."""
+    out, real = tmp_path / "runs", train.save_atomic
+
+    def save_then_signal(obj, path, **k):
+        if path.name == "model.pt":
+            os.kill(os.getpid(), signal.SIGINT)       # Ctrl-C between the evaluation and the files
+            for _ in range(10 ** 6):                  # the handler runs here, before the file is written
+                pass
+        return real(obj, path, **k)
+    monkeypatch.setattr(train, "save_atomic", save_then_signal)
+    code, _, err = cli_run(capsys, *TINY, "--method", "rope", "--out", str(out))
+    run_dir = out / "copy" / "rope" / "seed0"
+    assert code == 0, err
+    assert json.loads((run_dir / "metrics.json").read_text())["eval"][0]["n"] == 4
+    torch.load(run_dir / "model.pt")                  # whole
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_signal_python_drops_in_a_finalizer_still_stops_the_final_evaluation(capsys, tmp_path, monkeypatch):
     """The signal's Interrupted is raised while Python runs a finalizer (as a data loader's __del__ can

@@ -367,21 +367,24 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
 # curriculum on its schedule; evaluated every 1k steps once the loss is below 0.1, reported as the mean of the 3
-# best. The paper evaluates on "a held-out test set of 1,000 examples": so do the evaluations during training
-# here (paper_test_set: as many per length as make 1,000 over the test lengths), which are all that the top-3 rule
-# reads; the final one takes 1,000 at each test length (n_eval), so that each length's point in the tables is as
-# precise as the paper's whole set (SCAN reads its whole test split either way).
-# Its 150k steps: PRISM_FIT_STEPS here for copy and add_cot (trained to 10), the most that fit the 9 minutes a
-# run may take (PRISM_FIT says how that was estimated); the curriculum reaches their longest length at 5k steps.
+# best. The paper evaluates on "a held-out test set of 1,000 examples": so do copy's and add_cot's evaluations
+# during training here (paper_test_set: as many per length as make 1,000 over the test lengths), which are all that
+# the top-3 rule reads; the final one takes 1,000 at each test length (n_eval), so that each length's point in the
+# tables is as precise as the paper's whole set. (prism-more's runs, made before this, evaluate 1,000 per length
+# throughout; SCAN reads its whole test split either way.)
+# Its 150k steps: PRISM_FIT_STEPS here for copy and add_cot (trained to 10), what was estimated to fit the 9
+# minutes a run may take (PRISM_FIT: what they took); the curriculum reaches their longest length at 5k steps.
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
                    curriculum_steps=5000, eval_every=1000, eval_from_loss=0.1, n_eval=1000)
 PRISM_FIT_STEPS = {"copy": 45_000, "add_cot": 14_000}
+PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
 
 
 def paper_test_set(task: str, total: int = 1000) -> int:
     """Examples per test length that make the paper's test set of `total` over the task's test lengths."""
     return -(-total // len(TASKS[task].test_lengths))
-PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
+
+
 # Its baseline: 5 layers, 8 heads, width 512, tied embeddings, randomly shifted sinusoidal APE.
 PRISM_APE = dict(PRISM_PAPER, d_model=512, n_heads=8, tie_weights=True, ape_shift=100)
 PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, superposition width 340, AdamW "
@@ -390,12 +393,13 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "1,000 examples at each test length in the final evaluation; a width of 210 for its 192 (35 heads "
               "must divide it); the gate head starting to count as in the quick runs (the paper gives no "
               "initialisation); {more}; {steps}")
-PRISM_FIT = ("copy 45k and add_cot 14k of its 150k steps (30 % and 9 %), estimated to fit the 9 minutes a run may "
-             "take: compiled (--compile), alone on one H100, PRISM trains copy at 124.1 steps/s and add_cot at "
-             "29.9 steps/s at its longest length, and one evaluation at 1,000 examples per length takes 32.9 and "
-             "15.9 s (commit 341c16d); the evaluations during training at 1,000 in all taken as 1-2 s each (not "
-             "measured), so at most about 9 minutes each; the curriculum reaches 10 at 5k steps "
-             "(docs/perf/training.md, \"The full budget's runs alone\")")
+PRISM_FIT = ("copy 45k and add_cot 14k of its 150k steps (30 % and 9 %); measured compiled (--compile), each run "
+             "alone on one H100 (commit 0ecafe2, docs/results/jobs-4gpu-prism-paper-eval): a copy run trains for "
+             "7.7 minutes (107 steps/s, its 44 evaluations during training counted; 8.7 from its command's start to "
+             "its end), an add_cot run for 10.4 (24.7 steps/s), about 1.4 over the 9 minutes a run may take: its "
+             "14k were estimated from a step of 29.9 steps/s (docs/perf/training.md, \"The full budget's runs "
+             "alone\") and kept, as a run goes on over commands from its checkpoints (about 12k fit 9 minutes); the "
+             "curriculum reaches 10 at 5k steps")
 
 
 def _prism_vs_ape_full(task: str) -> dict:
@@ -411,14 +415,13 @@ def _prism_vs_ape_full(task: str) -> dict:
 # length 150) are fast enough for that to fit. Dynamic string copy (trained to 10, as copy) and SCAN (no
 # curriculum) take the steps that fit 9 minutes (PRISM_MORE_FIT says how that was measured).
 PRISM_MORE_STEPS = 40_000
-PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000}
-PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %), the most that fit 9 "
+PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 9000, "scan_cot": 12_000}
+PRISM_MORE_FIT = ("dynamic string copy 9k and SCAN 12k of the paper's 150k steps (6 % and 8 %), the most that fit 9 "
                   "minutes with an evaluation every 1k steps: compiled, alone on one H100 (commit e0d6633), PRISM "
-                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s at 1,000 examples "
-                  "per length (the final evaluation; those during training at 1,000 in all taken as 1-2 s, not "
-                  "measured), scan_cot at 26.2 steps/s at 22 actions and 4.4 s (its whole test split), so they take "
-                  "at most about 9 and 8.6 minutes (docs/perf/step_profile.py; docs/results/prism-more-full); "
-                  "dyn_str_cpy's curriculum reaches 10 at 5k steps")
+                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s, scan_cot at 26.2 "
+                  "steps/s at 22 actions and 4.4 s, so they take at most 8.8 and 8.6 minutes "
+                  "(docs/perf/step_profile.py; docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 "
+                  "at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
                       "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "
@@ -447,8 +450,6 @@ def _prism_more_full(run: dict) -> dict:
     """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
     full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS},
             "steps": PRISM_MORE_FIT_STEPS.get(run["task"], PRISM_MORE_STEPS)}
-    if run["task"] != "scan_cot":                      # SCAN evaluates its whole test split, whatever n
-        full["n_eval_during"] = paper_test_set(run["task"])
     if "train_lengths" in run:
         full["train_lengths"] = run["train_lengths"]
     if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run

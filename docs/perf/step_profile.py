@@ -11,8 +11,9 @@ compiled model, as `train.py --compile` runs it), (2) the device time of one eag
 its kernels, against its wall time (near the wall time: the GPU is busy all step and faster kernels
 are what helps; far below it: the step waits on launches), (3) the --top kernels or operators by
 device time per step (CUDA time on a GPU, the operators' own CPU time otherwise), and (4) one
-evaluation as the run makes it (its test lengths and examples, and its held-out set) and the run's
-projected time alone: its steps at (1)'s rate plus its evaluations. Data is made before the clock
+evaluation as the run makes it (its test lengths and examples, and its held-out set; and one as it
+evaluates during training, where that takes fewer examples) and the run's projected time alone: its
+steps at (1)'s rate plus its evaluations. Data is made before the clock
 starts, so (1) is the step alone; a run's data workers add nothing where they keep up. --tiny
 shrinks the model: a check that the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
@@ -50,7 +51,8 @@ def config(run: dict, device: str, tiny: bool, compile_: bool) -> train.TrainCon
     values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda"), "compile": compile_}
     if tiny:
         blocks = run.get("opts", {}).get("prism_blocks", [0])          # the blocks PRISM's positions feed
-        values.update(d_model=32, n_layers=max(2, max(blocks) + 1), n_heads=2, batch_size=4, n_eval=2)
+        values.update(d_model=32, n_layers=max(2, max(blocks) + 1), n_heads=2, batch_size=4, n_eval=2,
+                      n_eval_during=min(1, run.get("n_eval_during", 0)))
         if run["method"] == "prism":
             values["opts"] = {**run.get("opts", {}), "prism_bins": 16, "prism_dim": 16, "prism_cursors": 2}
     cfg = cli.make_config(values, "gpu")
@@ -146,25 +148,31 @@ def main(argv=None) -> int:
         say(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
 
     sets = [(cfg.test_lengths or task.test_lengths, 1)] + ([(cfg.held_out_lengths, 2)] if cfg.held_out_lengths else [])
-    sync(device)
-    tic = time.perf_counter()                                           # (4) one evaluation
-    for lengths, stream in sets:
-        evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream,
-                 precision=cfg.precision)
-    sync(device)
-    eval_s = time.perf_counter() - tic
-    n_evals = 1 + (cfg.steps // cfg.eval_every if cfg.eval_every else 0)   # during training, and the final one
-    projected = cfg.steps / rate + n_evals * eval_s
 
-    say(f"(4) one evaluation: {eval_s:.1f} s; the run alone: {cfg.steps} steps at (1)'s rate + {n_evals} "
-        f"evaluations = {train.fmt_time(projected)} (projected"
+    def one_evaluation(n: int) -> float:
+        sync(device)
+        tic = time.perf_counter()
+        for lengths, stream in sets:
+            evaluate(model, task, lengths, n, cfg.seed, device, cfg.task_opts, stream=stream, precision=cfg.precision)
+        sync(device)
+        return time.perf_counter() - tic
+    eval_s = one_evaluation(cfg.n_eval)                                  # (4) the final evaluation
+    n_during = cfg.steps // cfg.eval_every if cfg.eval_every else 0
+    during_s = one_evaluation(cfg.n_eval_during) if n_during and cfg.n_eval_during else eval_s   # one during training
+    n_evals = 1 + n_during
+    projected = cfg.steps / rate + n_during * during_s + eval_s
+
+    say(f"(4) one evaluation: {eval_s:.1f} s ({cfg.n_eval} examples a length)"
+        + (f", {during_s:.1f} s during training ({cfg.n_eval_during} a length)" if during_s is not eval_s else "")
+        + f"; the run alone: {cfg.steps} steps at (1)'s rate + {n_during} evaluations during training + the final "
+        f"one = {train.fmt_time(projected)} (projected"
         + (f"; at most: the evaluations wait for a loss below {cfg.eval_from_loss})" if cfg.eval_from_loss else ")"))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
                            compile=a.compile, device=where, batch=cfg.batch_size, length=length, steps_per_s=rate,
                            eager_busy_ms=busy, eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top,
-                           eval_s=eval_s, steps=cfg.steps, n_evals=n_evals, projected_s=projected,
+                           eval_s=eval_s, eval_during_s=during_s, steps=cfg.steps, n_evals=n_evals, projected_s=projected,
                            git=train.git_hash()), f, indent=1)
     return 0
 

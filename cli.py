@@ -385,14 +385,16 @@ EXEC_KEYS = {"device", "workers", "graphs", "compile", "runs_at_once", "log_ever
 RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
-def other_setup(cfgs: list[TrainConfig], like) -> dict:
-    """{id of a config: the options that differ} for each run present (its metrics.json) that was made
-    with other options than its experiment's setup: a setup changed since, whose old results a table
-    must not take for the new. Each run is judged against the setup under the preset it was made
-    with, `like(k, preset)`: run k's config under that preset (so a CPU builds the tables of GPU
-    runs). Runs whose metrics hold no readable config are not judged."""
+def other_setup(cfgs: list[TrainConfig], like, present: set) -> dict:
+    """{id of a config: the options that differ} for each run present (`present`: ids of the configs
+    with a metrics.json) that was made with other options than its experiment's setup: a setup changed
+    since, whose old results a table must not take for the new. Each run is judged against the setup
+    under the preset it was made with, `like(k, preset)`: run k's config under that preset (so a CPU
+    builds the tables of GPU runs). Runs whose metrics hold no readable config are not judged."""
     found = {}
     for k, cfg in enumerate(cfgs):
+        if id(cfg) not in present:
+            continue
         try:
             saved = json.loads((cfg.run_dir() / "metrics.json").read_text())["config"]
             diff = saved_diff(saved, like(k, saved["preset"]), RUN_KEYS)
@@ -1092,7 +1094,8 @@ def reproduce(args, device: str, preset_name: str) -> int:
             presets[name] = [cfg for n in names for cfg in experiment_configs(EXPERIMENTS[n], args.device, args.out,
                                                                                name, how)]
         return presets[name][k]
-    other = {k: v for k, v in other_setup(everything, like).items() if k not in todo}   # --force retrains todo's
+    other = {k: v for k, v in other_setup(everything, like, present).items()
+             if k not in todo}                            # --force retrains todo's
     times = print_plan(everything, todo, mine, present, args.jobs, part, other)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so

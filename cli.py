@@ -1085,8 +1085,11 @@ def reproduce(args, device: str, preset_name: str) -> int:
             if not args.partial and (k in picked if picked else k % n_shards == shard)}
     present = {id(cfg) for cfg in everything if (cfg.run_dir() / "metrics.json").exists()}
     todo = {id(cfg) for cfg in everything if id(cfg) in mine and (args.force or id(cfg) not in present)}
-    part = (f"shard {args.shard}" if args.shard else f"--runs {args.runs}" if args.runs
-            else "--partial" if args.partial else None)
+    # which part of the list this command takes, as the plan's first line says it; the state of a run outside it
+    scope, outside = ((f", shard {args.shard}: {len(mine)} of them", "other shard") if args.shard
+                      else (f", --runs {args.runs}: {len(mine)} of them", "not picked") if args.runs
+                      else (f", {len(present)} present (--partial trains nothing)", "missing") if args.partial
+                      else ("", "not picked"))
     presets = {preset_name: everything}                  # the run list under each preset a present run was made with
 
     def like(k, name):
@@ -1096,7 +1099,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
         return presets[name][k]
     other = {k: v for k, v in other_setup(everything, like, present).items()
              if k not in todo}                            # --force retrains todo's
-    times = print_plan(everything, todo, mine, present, args.jobs, part, other)
+    times = print_plan(everything, todo, present, args.jobs, other, scope, outside)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so
         print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again "
@@ -1207,23 +1210,20 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
     return set(picked)
 
 
-def print_plan(everything: list[TrainConfig], todo: set, mine: set, present: set, jobs: int, part: str | None,
-               other: dict) -> dict:
-    """Before training: each run of the list (`todo`, `mine`, `present`: ids of the configs this command
-    trains, of its part of the list and of those with metrics, `part`: "shard I/N", "--runs K,..." or
-    "--partial", `other`: runs present with other options, from other_setup), whether this command trains it
-    (from its checkpoint, where it has one), and its time: measured (the wall time of the same setup
-    with another seed, per step) or estimated (the run of the same task and method with the closest
-    settings, per step and sequence), else unknown. Returns {id of a config to train: seconds or None}."""
-    some = (f", {len(present)} present (--partial trains nothing)"
-            if part == "--partial" else f", {part}: {len(mine)} of them" if part else "")
-    print(f"{len(everything)} runs{some}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
+def print_plan(everything: list[TrainConfig], todo: set, present: set, jobs: int, other: dict, scope: str,
+               outside: str) -> dict:
+    """Before training: each run of the list (`todo`, `present`: ids of the configs this command trains
+    and of those with metrics, `other`: runs present with other options, from other_setup; `scope`: the
+    part of the list the command takes, for the first line; `outside`: the state of a run outside it),
+    whether this command trains it (from its checkpoint, where it has one), and its time: measured (the
+    wall time of the same setup with another seed, per step) or estimated (the run of the same task and
+    method with the closest settings, per step and sequence), else unknown. Returns {id of a config to
+    train: seconds or None}."""
+    print(f"{len(everything)} runs{scope}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
     total, unknown, times = 0.0, 0, {}
     for k, cfg in enumerate(everything):
         state = ("train" if id(cfg) in todo else "other setup" if id(cfg) in other
-                 else "present" if id(cfg) in present
-                 else "other shard" if (part or "").startswith("shard") else "missing" if part == "--partial"
-                 else "not picked")
+                 else "present" if id(cfg) in present else outside)
         line = f"  {k:3d} {state:11s} {cfg.run_dir()}" + (f"  ({other[id(cfg)]})" if id(cfg) in other else "")
         if state == "train":
             seconds, how = time_of(cfg)

@@ -355,9 +355,9 @@ def stop_signals():
     instead of interrupting wherever Python happens to be (only the main thread gets signals).
     While the loop has flag["now"] set (its message: training is done and checkpointed, the final
     evaluation runs), a signal raises Interrupted at once, so that a long evaluation stops within a
-    moment; once it has evaluated, the loop removes it, and the run's files are written whatever comes. Python drops
-    an exception raised while it runs a finalizer (a data loader's __del__, say): flag["check"](),
-    which the final evaluation calls before each pass, raises it again. After a stop, SIGTERM stays
+    moment; once it has evaluated, the loop removes it, and the run's files are written whatever
+    comes. Python drops an exception raised while it runs a finalizer (a data loader's __del__, say):
+    flag["check"](), which the final evaluation calls before each pass, raises it again. After a stop, SIGTERM stays
     ignored: `timeout` and Slurm signal the process and then its whole group, and the second signal
     would otherwise kill the process before it says where it stopped."""
     def check():

@@ -13,9 +13,9 @@ are what helps; far below it: the step waits on launches), (3) the --top kernels
 device time per step (CUDA time on a GPU, the operators' own CPU time otherwise), and (4) one
 evaluation as the run makes it (its test lengths and examples, and its held-out set; and one as it
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
-steps at (1)'s rate plus its evaluations. Data is made before the clock
-starts, so (1) is the step alone; a run's data workers add nothing where they keep up. --tiny
-shrinks the model: a check that the script runs, not a measurement. Run it from the repository root.
+steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
+alone; a run's data workers add nothing where they keep up. --tiny shrinks the model: a check that
+the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
 from __future__ import annotations
@@ -158,12 +158,13 @@ def main(argv=None) -> int:
         return time.perf_counter() - tic
     eval_s = one_evaluation(cfg.n_eval)                                  # (4) the final evaluation
     n_during = cfg.steps // cfg.eval_every if cfg.eval_every else 0
-    during_s = one_evaluation(cfg.n_eval_during) if n_during and cfg.n_eval_during else eval_s   # one during training
+    fewer = bool(n_during and cfg.n_eval_during)                         # those during training: n_eval_during
+    during_s = one_evaluation(cfg.n_eval_during) if fewer else eval_s
     n_evals = 1 + n_during
     projected = cfg.steps / rate + n_during * during_s + eval_s
 
     say(f"(4) one evaluation: {eval_s:.1f} s ({cfg.n_eval} examples a length)"
-        + (f", {during_s:.1f} s during training ({cfg.n_eval_during} a length)" if during_s is not eval_s else "")
+        + (f", {during_s:.1f} s during training ({cfg.n_eval_during} a length)" if fewer else "")
         + f"; the run alone: {cfg.steps} steps at (1)'s rate + {n_during} evaluations during training + the final "
         f"one = {train.fmt_time(projected)} (projected"
         + (f"; at most: the evaluations wait for a loss below {cfg.eval_from_loss})" if cfg.eval_from_loss else ")"))

@@ -1277,7 +1277,8 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results").
     Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
     k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
-    where the two differ; a run that recorded no runs_at_once counts as it ran). Small models that leave a
+    where the two differ; a run that recorded no runs_at_once counts as it ran, and the label says
+    "sharing not recorded": its time may include other runs' share of its device). Small models that leave a
     GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated."""
     seconds, how = time_in(cfg, Path(cfg.out))
     if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
@@ -1302,8 +1303,10 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
 
     def shared(ms):
         there = sorted({m["config"]["runs_at_once"] for m in ms if "runs_at_once" in m["config"]})
-        return "" if there in ([], [cfg.runs_at_once]) else \
-            f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here"
+        unrecorded = any("runs_at_once" not in m["config"] for m in ms)
+        return ("" if there in ([], [cfg.runs_at_once]) else
+                f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here") + \
+            (", sharing not recorded there" if unrecorded else "")
     seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads

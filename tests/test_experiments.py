@@ -1077,7 +1077,7 @@ def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
 
 def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_device_now(tmp_path, monkeypatch):
     """A run that shared its device with 3 others took 4 times its time alone; planned 2 to a device, a
-    run takes twice that; a run that recorded no sharing counts as it ran. --jobs spreads over the GPUs
+    run takes twice that; a run that recorded no sharing counts as it ran, labelled so. --jobs spreads over the GPUs
     (ceil(jobs / GPUs) to each); a CPU is one device."""
     base = dict(task="copy", method="rope", device="cpu", out=str(tmp_path), steps=100, batch_size=8, d_model=32)
     cfg = make_config({**base, "runs_at_once": 4}, "cpu")
@@ -1093,7 +1093,8 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
     saved = {k: v for k, v in train.asdict(legacy).items() if k != "runs_at_once"}
     legacy.run_dir().mkdir(parents=True)
     (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": saved, "wall_s": 30.0, "device": "cpu"}))
-    assert cli.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (pytest.approx(30.0), "measured: seed0")
+    assert cli.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (
+        pytest.approx(30.0), "measured: seed0, sharing not recorded there")
     args = cli.build_parser().parse_args(["--jobs", "5"])
     assert cli.speed(args, "cpu", 9)["runs_at_once"] == 5 and cli.speed(args, "cpu", 3)["runs_at_once"] == 3
     monkeypatch.setattr(cli, "visible_gpus", lambda: ["0", "1"])

@@ -357,9 +357,9 @@ def stop_signals():
     evaluation runs), a signal raises Interrupted at once, so that a long evaluation stops within a
     moment; once it has evaluated, the loop removes it, and the run's files are written whatever
     comes. Python drops an exception raised while it runs a finalizer (a data loader's __del__, say):
-    flag["check"](), which the final evaluation calls before each pass, raises it again. After a stop, SIGTERM stays
-    ignored: `timeout` and Slurm signal the process and then its whole group, and the second signal
-    would otherwise kill the process before it says where it stopped."""
+    flag["check"](), which the final evaluation calls before each pass, raises it again. After a stop,
+    SIGTERM stays ignored: `timeout` and Slurm signal the process and then its whole group, and the
+    second signal would otherwise kill the process before it says where it stopped."""
     def check():
         if flag["stop"] and flag.get("now"):
             raise Interrupted(flag["now"])

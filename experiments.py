@@ -367,11 +367,10 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # needs the width divisible by the heads: 210 for the paper's 192); superposition width 340; AdamW
 # (0.9, 0.98) at a peak 9e-5 (the cursors' alphas in their own group, prism.param_groups), batch 100, the
 # curriculum on its schedule; evaluated every 1k steps once the loss is below 0.1, reported as the mean of the 3
-# best. The paper evaluates on "a held-out test set of 1,000 examples": so do copy's and add_cot's evaluations
-# during training here (paper_test_set: as many per length as make 1,000 over the test lengths), which are all that
-# the top-3 rule reads; the final one takes 1,000 at each test length (n_eval), so that each length's point in the
-# tables is as precise as the paper's whole set. (prism-more's runs, made before this, evaluate 1,000 per length
-# throughout; SCAN reads its whole test split either way.)
+# best. The paper evaluates on "a held-out test set of 1,000 examples": so do the evaluations during training
+# here (paper_test_set: as many per length as make 1,000 over the test lengths), which are all that the top-3 rule
+# reads; the final one takes 1,000 at each test length (n_eval), so that each length's point in the tables is as
+# precise as the paper's whole set (SCAN reads its whole test split either way).
 # Its 150k steps: PRISM_FIT_STEPS here for copy and add_cot (trained to 10), what was estimated to fit the 9
 # minutes a run may take (PRISM_FIT: what they took); the curriculum reaches their longest length at 5k steps.
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
@@ -415,11 +414,14 @@ def _prism_vs_ape_full(task: str) -> dict:
 # length 150) are fast enough for that to fit. Dynamic string copy (trained to 10, as copy) and SCAN (no
 # curriculum) take the steps that fit 9 minutes (PRISM_MORE_FIT says how that was measured).
 PRISM_MORE_STEPS = 40_000
-PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 9000, "scan_cot": 12_000}
-PRISM_MORE_FIT = ("dynamic string copy 9k and SCAN 12k of the paper's 150k steps (6 % and 8 %), the most that fit 9 "
+PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000}
+PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %), estimated to fit 9 "
                   "minutes with an evaluation every 1k steps: compiled, alone on one H100 (commit e0d6633), PRISM "
-                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s, scan_cot at 26.2 "
-                  "steps/s at 22 actions and 4.4 s, so they take at most 8.8 and 8.6 minutes "
+                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s at 1,000 examples "
+                  "per length (the final evaluation), scan_cot at 26.2 steps/s at 22 actions and 4.4 s (its whole "
+                  "test split); copy's runs, whose step is as fast (124.1 steps/s), made 107 steps/s with their "
+                  "evaluations during training on 1,000 in all (commit 0ecafe2), so 40k steps of dynamic copy at "
+                  "about 94 steps/s and its final evaluation take about 8 minutes, and SCAN at most 8.6 "
                   "(docs/perf/step_profile.py; docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 "
                   "at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
@@ -450,6 +452,8 @@ def _prism_more_full(run: dict) -> dict:
     """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
     full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS},
             "steps": PRISM_MORE_FIT_STEPS.get(run["task"], PRISM_MORE_STEPS)}
+    if run["task"] != "scan_cot":                      # SCAN evaluates its whole test split, whatever n
+        full["n_eval_during"] = paper_test_set(run["task"])
     if "train_lengths" in run:
         full["train_lengths"] = run["train_lengths"]
     if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run

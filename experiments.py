@@ -412,18 +412,20 @@ def _prism_vs_ape_full(task: str) -> dict:
 
 # The length-40 tasks reach their last curriculum stage at 30k steps; neither their step nor their evaluations (to
 # length 150) are fast enough for that to fit. Dynamic string copy (trained to 10, as copy) and SCAN (no
-# curriculum) take the steps that fit 9 minutes (PRISM_MORE_FIT says how that was measured).
+# curriculum) take the steps estimated to fit 9 minutes (PRISM_MORE_FIT: how, and what they took).
 PRISM_MORE_STEPS = 40_000
 PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000}
-PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %), estimated to fit 9 "
-                  "minutes with an evaluation every 1k steps: compiled, alone on one H100 (commit e0d6633), PRISM "
-                  "trains dyn_str_cpy at 109.2 steps/s at length 10 and evaluates it in 44.3 s at 1,000 examples "
-                  "per length (the final evaluation), scan_cot at 26.2 steps/s at 22 actions and 4.4 s (its whole "
-                  "test split); copy's runs, whose step is as fast (124.1 steps/s), made 107 steps/s with their "
-                  "evaluations during training on 1,000 in all (commit 0ecafe2), so 40k steps of dynamic copy at "
-                  "about 94 steps/s and its final evaluation take about 8 minutes, and SCAN at most 8.6 "
-                  "(docs/perf/step_profile.py; docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 "
-                  "at 5k steps")
+PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %). Dynamic copy's 40k "
+                  "were estimated from copy's runs to take about 8 minutes (its step as fast: 109.2 against 124.1 "
+                  "steps/s; copy made 107 steps/s with its evaluations on 1,000 in all, commit 0ecafe2); measured "
+                  "(compiled, alone on an H100 of a host of four, commit df050b8, "
+                  "docs/results/jobs-4gpu-a5-dyn-copy), a run trains 7.4 minutes (96.7 steps/s, its evaluations "
+                  "counted), but with its start-up and compiles it reached 40k 9.3 minutes after its command "
+                  "started and its final evaluation took a second command 1.7: about 11 minutes, 2 over the 9 a run "
+                  "may take (about 35k steps would fit); kept, as a run goes on over commands from its checkpoints. "
+                  "SCAN's 12k: compiled, alone on one H100 (commit e0d6633), 26.2 steps/s at 22 actions and 4.4 s "
+                  "an evaluation of its whole test split, at most 8.6 minutes (docs/perf/step_profile.py; "
+                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
                       "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "

@@ -44,10 +44,10 @@ import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
-from evaluation import summary_line
+from evaluation import save_atomic, summary_line
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
-from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, save_atomic, train
+from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, train
 
 
 class UsageError(Exception):
@@ -353,13 +353,14 @@ def lock_run(run_dir: Path) -> Path:
 def stop_signals():
     """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
     instead of interrupting wherever Python happens to be (only the main thread gets signals).
-    While the loop has flag["now"] set (its message: training is done and checkpointed, the final
-    evaluation runs), a signal raises Interrupted at once, so that a long evaluation stops within a
-    moment; once it has evaluated, the loop removes it, and the run's files are written whatever
-    comes. Python drops an exception raised while it runs a finalizer (a data loader's __del__, say):
-    flag["check"](), which the final evaluation calls before each pass, raises it again. After a stop,
-    SIGTERM stays ignored: `timeout` and Slurm signal the process and then its whole group, and the
-    second signal would otherwise kill the process before it says where it stopped."""
+    While the loop has flag["now"] set (its message: the run is checkpointed and an evaluation runs,
+    during training or the final one), a signal raises Interrupted at once, so that a long evaluation
+    stops within a moment; once it has evaluated, the loop removes it (after the final one, the run's
+    files are written whatever comes). Python drops an exception raised while it runs a finalizer (a
+    data loader's __del__, say): flag["check"](), which every such evaluation calls before each pass,
+    raises it again. After a stop, SIGTERM stays ignored: `timeout` and Slurm signal the process and then
+    its whole group, and the second signal would otherwise kill the process before it says where it
+    stopped."""
     def check():
         if flag["stop"] and flag.get("now"):
             raise Interrupted(flag["now"])

@@ -1,4 +1,5 @@
-"""Evaluation: exact match and token accuracy of a trained model at every test length of a task.
+"""Evaluation: exact match and token accuracy of a trained model at every test length of a task; and
+how every result file is written (save_atomic, json_text).
 
     from evaluation import evaluate, summary_line
     rows = evaluate(model, tasks.TASKS["copy"], [8, 16, 32], n=256, seed=0, device="cpu")
@@ -8,7 +9,7 @@ Every row is one length (and task variant): {"name", "length", "variant", "n", "
 One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py
 checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
 experiments.py and cli.py read its rows from each run's metrics.json, which `json_text` lays out a row
-a line (train.save_atomic writes every .json file with it).
+a line (`save_atomic`, at the end, writes every .json file with it, and every other file of a run).
 
 A file beside train.py rather than a section of it: the loop, its optimiser step and its checkpoints
 fill the 500 lines that train.py may have, and evaluation needs none of them, only a model, a task
@@ -18,6 +19,9 @@ Shapes: B batch, T time, V vocabulary.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +50,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
     memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
     a function of the length (ViPE's rules); each row records its s. `stop`, if given, is called before
-    each forward pass and may raise to end the evaluation (train.train's final one: cli.stop_signals)."""
+    each forward pass and may raise to end the evaluation (train.train's, on a signal: cli.stop_signals)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
@@ -110,7 +114,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
 
 
 def json_text(obj, depth: int = 0) -> str:
-    """JSON laid out by its structure, as train.save_atomic writes every .json file: a list or dict that holds
+    """JSON laid out by its structure, as save_atomic (below) writes every .json file: a list or dict that holds
     lists or dicts gets a line per element; one of plain values (a row above, a loss pair, the seeds) is one
     line. A row reads on one line, and a run's metrics take a quarter less space than with a number a line."""
     if not isinstance(obj, (dict, list)):
@@ -134,3 +138,36 @@ def summary_line(rows, train_max) -> str:
     if rows and rows[0]["variant"]:
         return " ".join(f"{r['name']} err {100 * (1 - r['token']):.2f}%" for r in rows)
     return f"exact in-dist {part(ind)} | beyond train length {part(ood)}"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (else set and put back)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        os.umask(mask := os.umask(0o022))
+        return mask
+
+
+def save_atomic(obj, path: Path, **savefig):
+    """Write to a temporary file of its own in the target folder, then rename: a crash never leaves half a
+    file, and two writers of one path never share a temporary name. Strings as text, dicts to .json as JSON,
+    a figure with fig.savefig(**savefig), the rest with torch.save; mode 0666 less the umask."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(obj, str):
+                f.write(obj.encode())
+            elif path.suffix == ".json":
+                f.write(json_text(obj).encode())
+            elif hasattr(obj, "savefig"):
+                obj.savefig(f, format=path.suffix.lstrip("."), **savefig)
+            else:
+                torch.save(obj, f)
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks import TASKS
-from train import save_atomic
+from evaluation import save_atomic
 from vipe import S_TEXT, ablation_label
 
 

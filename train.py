@@ -23,7 +23,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,7 +36,7 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from evaluation import evaluate, json_text, summary_line
+from evaluation import evaluate, save_atomic, summary_line
 from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
                    largest_logits)
 from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
@@ -134,39 +133,6 @@ def git_hash() -> str:
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def umask() -> int:
-    """The process's umask, read without changing it where Linux says it (else set and put back)."""
-    try:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
-        return int(line.split()[1], 8)
-    except (OSError, StopIteration, ValueError):
-        os.umask(mask := os.umask(0o022))
-        return mask
-
-
-def save_atomic(obj, path: Path, **savefig):
-    """Write to a temporary file of its own in the target folder, then rename: a crash never leaves half a
-    file, and two writers of one path never share a temporary name. Strings as text, dicts to .json as JSON,
-    a figure with fig.savefig(**savefig), the rest with torch.save; mode 0666 less the umask."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(obj, str):
-                f.write(obj.encode())
-            elif path.suffix == ".json":
-                f.write(json_text(obj).encode())
-            elif hasattr(obj, "savefig"):
-                obj.savefig(f, format=path.suffix.lstrip("."), **savefig)
-            else:
-                torch.save(obj, f)
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 CKPT = "checkpoint.pt"
@@ -388,6 +354,23 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         flush()
         return not cfg.eval_from_loss or np.mean([v for _, v in losses[-cfg.eval_every:]]) < cfg.eval_from_loss
 
+    def due():   # an evaluation during training at this step, not yet made
+        made = history and history[-1]["step"] == step
+        return cfg.eval_every and step % cfg.eval_every == 0 and not made and (history or evaluating())
+
+    def evaluate_during():   # its own checkpoint first: a signal stops it at once, and --resume makes it again
+        flush()
+        checkpoint()
+        flag["now"] = (f"stopped by signal during the evaluation at step {step}, checkpoint written: the same command "
+                       "with --resume evaluates it and goes on (with --reproduce, the same command)")
+        history.append({"step": step, **{key: evaluate(
+            model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream_id,
+            precision=cfg.precision, stop=flag.get("check")) for key, stream_id, lengths in sets}})
+        flag.pop("now")
+        log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
+
+    if step and due():
+        evaluate_during()                        # a run stopped during this evaluation: made again first
     stream = batches(cfg, task, train_lengths, step, cfg.steps)
     try:
         while step < cfg.steps:
@@ -420,11 +403,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                     f"eta {fmt_time((cfg.steps - step) / max(rate, 1e-9))}"
                     + (f" | logit max {max(logit_max[-1][1]):.3g}" if logit_max else ""))
                 last_log, log_step, log_waited = now, step, waited
-            if cfg.eval_every and step % cfg.eval_every == 0 and (history or evaluating()):
-                history.append({"step": step, **{key: evaluate(
-                    model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts,
-                    stream=stream_id, precision=cfg.precision) for key, stream_id, lengths in sets}})
-                log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
+            if due():
+                evaluate_during()
             if at_checkpoint:
                 checkpoint()
     finally:

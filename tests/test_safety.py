@@ -185,6 +185,36 @@ def test_ctrl_c_in_the_final_evaluation_stops_at_once_and_resume_finishes(capsys
     assert metrics["steps_per_s"] == round(ckpt["timed"][0] / ckpt["timed"][1], 2) > 0
 
 
+def test_ctrl_c_in_an_evaluation_during_training_stops_at_once_and_resume_makes_it_again(capsys, tmp_path,
+                                                                                          monkeypatch):
+    """A stop during an evaluation during training does not wait for its end (a long one outlasted `timeout -k`'s
+    and Slurm's grace before the SIGKILL): the run stops with the checkpoint of that step, and --resume makes the
+    evaluation first and goes on, ending exactly as the run that was never stopped."""
+    args, real, calls = [*TINY[:-1], "cpu", "--eval-every", "2"], train.evaluate, {"n": 0}
+    code, _, err = cli_run(capsys, *args, "--method", "rope", "--out", str(tmp_path / "whole"))
+    assert code == 0, err
+    whole = json.loads((tmp_path / "whole" / "copy" / "rope" / "seed0" / "metrics.json").read_text())
+
+    def interrupted_evaluate(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            os.kill(os.getpid(), signal.SIGINT)      # Ctrl-C while the evaluation at step 2 runs
+        return real(*a, **k)
+    monkeypatch.setattr(train, "evaluate", interrupted_evaluate)
+    out = tmp_path / "runs"
+    code, _, err = cli_run(capsys, *args, "--method", "rope", "--out", str(out))
+    run_dir = out / "copy" / "rope" / "seed0"
+    assert code == 130 and "during the evaluation at step 2" in err and "--resume" in err, err
+    ckpt = torch.load(run_dir / train.CKPT, weights_only=False)
+    assert ckpt["step"] == 2 and ckpt["history"] == [] and not (run_dir / "metrics.json").exists()
+    monkeypatch.setattr(train, "evaluate", real)
+    code, _, err = cli_run(capsys, *args, "--method", "rope", "--out", str(out), "--resume")
+    assert code == 0, err
+    resumed = json.loads((run_dir / "metrics.json").read_text())
+    assert [h["step"] for h in resumed["history"]] == [2] and resumed["history"] == whole["history"]
+    assert resumed["eval"] == whole["eval"] and resumed["loss"] == whole["loss"]
+
+
 def test_a_signal_while_the_evaluated_run_writes_its_files_lets_them_be_written(capsys, tmp_path, monkeypatch):
     """A stop that comes after the final evaluation, while model.pt is written: the evaluation is not
     lost (it once raised inside torch.save, whose zip writer then failed the run) and the run is done."""
@@ -263,9 +293,9 @@ def test_two_writers_of_one_file_never_share_a_temporary_name(tmp_path):
 
         def savefig(self, f, format, **kw):
             if self.inner:
-                train.save_atomic(Figure(False), path)
+                evaluation.save_atomic(Figure(False), path)
             f.write(b"outer" if self.inner else b"inner")
-    train.save_atomic(Figure(True), path)
+    evaluation.save_atomic(Figure(True), path)
     assert path.read_bytes() == b"outer" and [p.name for p in tmp_path.iterdir()] == ["extrapolation.png"]
 
 
@@ -277,13 +307,13 @@ def test_an_output_folder_under_a_file_is_one_line(capsys, tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_half_file(capsys, tmp_path, monkeypatch):
-    real = train.json_text
+    real = evaluation.json_text
 
     def full(obj, *args):
         if "eval" in obj:                          # metrics.json, after training: the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(obj, *args)
-    monkeypatch.setattr(train, "json_text", full)
+    monkeypatch.setattr(evaluation, "json_text", full)
     code, _, err = cli_run(capsys, *TINY, "--method", "rope", "--out", str(tmp_path / "runs"))
     one_line_error(code, err, "cannot write the results: [Errno 28] No space left on device")
     run_dir = tmp_path / "runs" / "copy" / "rope" / "seed0"

@@ -17,7 +17,7 @@ import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, largest_logits, rotary
 from cli import main, make_config
-from evaluation import evaluate, score, summary_line
+from evaluation import evaluate, save_atomic, score, summary_line
 from train import TrainConfig, build_model
 
 
@@ -599,7 +599,7 @@ def test_concurrent_atomic_writes_do_not_collide(tmp_path):
     def writer(k):
         try:
             for i in range(300):
-                train.save_atomic({"writer": k, "i": i}, path)
+                save_atomic({"writer": k, "i": i}, path)
         except Exception as e:      # noqa: BLE001  the test reports any failure
             errors.append(e)
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)]
@@ -616,7 +616,7 @@ def test_metrics_json_puts_a_row_on_a_line_and_reads_back_the_same(tmp_path):
     obj = {"task": "copy", "seeds": [0, 1], "note": "a [b] {c}", "empty": {}, "none": [],
            "eval": [{"name": "1", "exact": 1.0, "token": float("nan")}, {"name": "2", "exact": 0.5, "token": 0.75}],
            "loss": [[1, 2.0], [101, 0.5]], "config": {"lr": 1e-3, "model": {"d_model": 64, "opts": {"k": 1}}}}
-    train.save_atomic(obj, tmp_path / "m.json")
+    save_atomic(obj, tmp_path / "m.json")
     text = (tmp_path / "m.json").read_text()
     back = json.loads(text)
     assert math.isnan(back["eval"][0].pop("token"))      # NaN is not equal to itself: compared apart

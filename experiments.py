@@ -503,8 +503,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                "the earlier 12k-step setup over 1-4 layers fit 10 minutes (its runs, with RoPE-L4's loss still "
                "falling: docs/results/a5/quick-12k). Constant, because under a cosine decay to 0.1 over the 24k "
                "steps 4 of 11 PaTH-L2 runs had not made by the end the sudden drop in loss with which a run "
-               "learns A5, while every run that made it did so by step 11.6k, and the full budget's runs, whose "
-               "rate is higher at that step, all made it (docs/results/a5/quick-24k-cosine)",
+               "learns A5, and every run that made it did so by step 11.6k (docs/results/a5/quick-24k-cosine); "
+               "at the constant rate 2 of 8 had not, and two made it later, at 13.8k and 22.3k "
+               "(docs/results/a5/quick-constant-seeds)",
         seeds=[0, 1, 2], sweep=("layers", 0),
         checks=[("a5/path-L2", 0.9, 0), (0.9, "a5/rope-L2", 0), (0.9, "a5/rope-L3", 0), ("a5/rope-L4", 0.9, 0)],
         full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)

@@ -1280,7 +1280,10 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
     where the two differ; a run that recorded no runs_at_once counts as it ran, and the label says
     "sharing not recorded": its time may include other runs' share of its device). Small models that leave a
-    GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated."""
+    GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated.
+    A run's time is its training loop's (wall_s, per step) and its final evaluation's (final_eval_s, with
+    ViPE's fine-tuning); runs from before that was recorded give the loop's alone, and the label says
+    "final evaluation not timed there"."""
     seconds, how = time_in(cfg, Path(cfg.out))
     if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
         seconds, how = time_in(cfg, RESULTS)
@@ -1298,20 +1301,22 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
         ok = m and m["config"]["steps"] and m["config"].get("batch_size") and m["device"].startswith("cpu") == cpu
         return m if ok else None
 
-    def per_step(m):   # scaled from the runs that shared its device to those that will share this one's
-        there = m["config"].get("runs_at_once")
-        return m["wall_s"] / max(1, m["config"]["steps"]) * (cfg.runs_at_once / there if there else 1)
+    def seconds(m, batch=1.0):   # its loop at this run's steps (x batch) and its final evaluation, scaled
+        there = m["config"].get("runs_at_once")   # from the runs that shared its device to those sharing this one's
+        loop = m["wall_s"] / max(1, m["config"]["steps"]) * cfg.steps * batch
+        return (loop + m.get("final_eval_s", 0.0)) * (cfg.runs_at_once / there if there else 1)
 
     def shared(ms):
         there = sorted({m["config"]["runs_at_once"] for m in ms if "runs_at_once" in m["config"]})
         unrecorded = any("runs_at_once" not in m["config"] for m in ms)
         return ("" if there in ([], [cfg.runs_at_once]) else
                 f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here") + \
-            (", sharing not recorded there" if unrecorded else "")
+            (", sharing not recorded there" if unrecorded else "") + \
+            (", final evaluation not timed there" if any("final_eval_s" not in m for m in ms) else "")
     seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads
-        return float(np.median([per_step(m) for m, _ in seeds])) * cfg.steps, "measured: " + (
+        return float(np.median([seconds(m) for m, _ in seeds])), "measured: " + (
             seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds") + shared([m for m, _ in seeds])
     settings = asdict(cfg)
     others = [(differences(settings, m["config"]), path.parent.parent.name, m)
@@ -1320,8 +1325,7 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
     if not others:
         return None, ""
     _, label, m = min(others, key=lambda x: x[0])          # the first of the closest, in folder order
-    return (per_step(m) * cfg.steps * cfg.batch_size / m["config"]["batch_size"],
-            "estimate: from " + label + shared([m]))
+    return seconds(m, cfg.batch_size / m["config"]["batch_size"]), "estimate: from " + label + shared([m])
 
 
 if __name__ == "__main__":

@@ -415,7 +415,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     # each pass of the evaluation): the last step's checkpoint is written, and --resume goes straight to evaluating
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")
-    train_max = max(train_lengths)
+    train_max, t_final = max(train_lengths), time.time()
     final = Final(cfg.model.opts, train_max, test_lengths, log,
                   evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
                                                            cfg.task_opts, s, precision=cfg.precision,
@@ -424,11 +424,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
         else (final.evaluate(test_lengths), {})
     flag.pop("now", None)                      # evaluated: a signal from here waits, and the run's files get written
+    final_s = time.time() - t_final            # the final evaluation's seconds (with ViPE's fine-tuning)
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]
     stride = max(1, len(losses) // 500)                    # at most about 1000 of the losses kept
     metrics = {
         "task": cfg.task, "method": cfg.method, "seed": cfg.seed, "config": asdict(cfg),
-        "git": commit, "device": device_name(device), "wall_s": round(wall, 1),
+        "git": commit, "device": device_name(device), "wall_s": round(wall, 1), "final_eval_s": round(final_s, 1),
         "steps_per_s": round(ran / loop, 2) if ran else None, "data_wait": round(wait / max(loop, 1e-9), 3),
         "peak_memory_gb": round(torch.cuda.max_memory_reserved() / 2 ** 30, 2) if device.startswith("cuda") else None,
         "n_params": n_params, "train_max_length": train_max,

@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1030,7 +1031,7 @@ def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):
 
     def present(tag, wall, **values):
         cfg = make_config({**base, "tag": tag, **values}, "cpu")
-        metrics = {"config": train.asdict(cfg), "wall_s": wall, "device": "cpu (2 cores)"}
+        metrics = {"config": train.asdict(cfg), "wall_s": wall, "final_eval_s": 0.0, "device": "cpu (2 cores)"}
         (cfg.run_dir()).mkdir(parents=True)
         (cfg.run_dir() / "metrics.json").write_text(json.dumps(metrics))
     present("a", 10.0, n_layers=1, lr=1e-3, steps=50)              # differs in depth, lr and steps
@@ -1053,6 +1054,7 @@ def test_times_come_from_the_committed_runs_where_out_has_none(tmp_path, monkeyp
         cfg = make_config({**base, "out": str(root), "seed": 1}, "cpu")
         cfg.run_dir().mkdir(parents=True)
         (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": wall,
+                                                                "final_eval_s": 0.0,
                                                                 "device": "cpu (2 cores)"}))
     monkeypatch.setattr(cli, "RESULTS", tmp_path / "committed")
     present(tmp_path / "committed", 50.0)
@@ -1070,9 +1072,44 @@ def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
         cfg = make_config({**base, "seed": seed}, "cpu")
         cfg.run_dir().mkdir(parents=True)
         (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": wall,
+                                                                "final_eval_s": 0.0,
                                                                 "device": "cpu (2 cores)"}))
     cfg = make_config({**base, "seed": 3, "steps": 200}, "cpu")
     assert cli.time_of(cfg) == (pytest.approx(40.0), "measured: median of 3 seeds")
+
+
+def test_a_runs_time_counts_its_final_evaluation(capsys, tmp_path, monkeypatch):
+    """A run records its final evaluation's seconds (final_eval_s) beside its loop's (wall_s); a planned
+    run's time adds them to its loop's at its own steps and batch, both scaled by the device's sharing;
+    a run from before the record gives its loop's alone, and the label says so."""
+    real, calls = train.evaluate, []
+
+    def slow(*a, **k):
+        calls.append(1)
+        time.sleep(0.3)
+        return real(*a, **k)
+    monkeypatch.setattr(train, "evaluate", slow)
+    out = tmp_path / "real"
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--d-model", "32", "--n-layers", "1",
+                           "--steps", "3", "--batch-size", "8", "--n-eval", "4", "--test-lengths", "2,4",
+                           "--device", "cpu", "--out", str(out))
+    m = json.loads((out / "copy" / "rope" / "seed0" / "metrics.json").read_text())
+    assert code == 0 and calls and 0.3 * len(calls) <= m["final_eval_s"] < m["wall_s"] + 0.3 * len(calls) + 30, err
+    base = dict(task="copy", method="rope", device="cpu", out=str(tmp_path), steps=100, batch_size=8, d_model=32)
+    cfg = make_config({**base, "runs_at_once": 2}, "cpu")
+    cfg.run_dir().mkdir(parents=True)
+    (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": 40.0,
+                                                            "final_eval_s": 6.0, "device": "cpu (2 cores)"}))
+    planned = make_config({**base, "seed": 1, "steps": 200}, "cpu")               # alone, twice the steps
+    assert cli.time_of(planned) == (pytest.approx((80.0 + 6.0) / 2), "measured: seed0, 2 at once there, 1 here")
+    other = make_config({**base, "tag": "x", "lr": 3e-4, "batch_size": 16}, "cpu")  # twice the batch: an estimate
+    assert cli.time_of(other) == (pytest.approx((80.0 + 6.0) / 2), "estimate: from rope, 2 at once there, 1 here")
+    legacy = make_config({**base, "tag": "old", "runs_at_once": 1}, "cpu")
+    legacy.run_dir().mkdir(parents=True)
+    (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(legacy), "wall_s": 30.0,
+                                                               "device": "cpu (2 cores)"}))
+    assert cli.time_of(dataclasses.replace(legacy, seed=1)) == (
+        pytest.approx(30.0), "measured: seed0, final evaluation not timed there")
 
 
 def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_device_now(tmp_path, monkeypatch):
@@ -1083,6 +1120,7 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
     cfg = make_config({**base, "runs_at_once": 4}, "cpu")
     cfg.run_dir().mkdir(parents=True)
     (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": 40.0,
+                                                            "final_eval_s": 0.0,
                                                             "device": "cpu (2 cores)"}))
     planned = make_config({**base, "seed": 1, "runs_at_once": 2}, "cpu")
     assert cli.time_of(planned) == (pytest.approx(20.0), "measured: seed0, 4 at once there, 2 here")
@@ -1092,7 +1130,8 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
     legacy = make_config({**base, "tag": "old"}, "cpu")                      # a run from before the record
     saved = {k: v for k, v in train.asdict(legacy).items() if k != "runs_at_once"}
     legacy.run_dir().mkdir(parents=True)
-    (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": saved, "wall_s": 30.0, "device": "cpu"}))
+    (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": saved, "wall_s": 30.0, "final_eval_s": 0.0,
+                                                               "device": "cpu"}))
     assert cli.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (
         pytest.approx(30.0), "measured: seed0, sharing not recorded there")
     args = cli.build_parser().parse_args(["--jobs", "5"])

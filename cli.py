@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import inspect
 import json
 import math
@@ -680,6 +681,7 @@ def start_job(gpus: list[str], counter, stop):
     pool and makes every run still going read as failed. The stop event keeps queued runs from starting."""
     global STOP
     STOP = stop
+    faulthandler.enable(sys.__stderr__)   # as main does: a crash prints where the job was, on the command's stderr
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
     if gpus:
@@ -901,6 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    faulthandler.enable(sys.__stderr__)   # a crash in C code (a segfault, an abort) prints where Python was
     args = build_parser().parse_args(argv)
     try:
         return run_cli(args)

@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +257,19 @@ def test_a_signal_python_drops_in_a_finalizer_still_stops_the_final_evaluation(c
     run_dir = out / "copy" / "rope" / "seed0"
     assert code == 130 and "during the final evaluation" in err, err
     assert not (run_dir / "metrics.json").exists() and (run_dir / train.CKPT).exists()
+
+
+def test_a_crash_in_c_code_prints_where_python_was(tmp_path):
+    """A segfault in the final evaluation (here ctypes reading address 0) ends the process, as it would
+    anyway; with faulthandler on (cli.main) it first prints each thread's Python stack on stderr, so a run
+    that ends this way does not end without a word."""
+    code = ("import ctypes, sys\nimport cli, train\n"
+            "def crash_in_the_evaluation(*a, **k):\n    ctypes.string_at(0)\n"
+            "train.evaluate = crash_in_the_evaluation\nsys.exit(cli.main(sys.argv[1:]))\n")
+    result = subprocess.run([sys.executable, "-c", code, *TINY, "--method", "rope", "--out", str(tmp_path)],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGSEGV, result.stderr
+    assert "Fatal Python error: Segmentation fault" in result.stderr and "in crash_in_the_evaluation" in result.stderr
 
 
 def test_a_signal_raises_at_once_only_after_training(monkeypatch):

@@ -842,15 +842,16 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for method, pts in lines.items():
         pts.sort()
-        x, y, lo, hi = zip(*pts)
-        ax.plot(x, y, marker="o", label=method)
+        x, y, lo, hi = zip(*pts)          # the mean, and a bar from the lowest seed to the highest
+        bars = np.clip([np.subtract(y, lo), np.subtract(hi, y)], 0, None)    # >= 0 through rounding too
+        ax.errorbar(x, y, yerr=bars, marker="o", capsize=3, label=method)
         ax.fill_between(x, lo, hi, alpha=0.15)
     ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(label)
     ax.set_title(f"{name} ({exp.runs[0]['task']})")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(title="mean; bars: seeds' min-max", title_fontsize="small")
     fig.tight_layout()
     path = out / "reproduce" / f"{name}.png"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -150,7 +150,8 @@ def top_k_checkpoints(m: dict, selector, metric: str, k: int = 3) -> float | Non
 
 def best_held_out(m: dict, selector) -> dict | None:
     """UPE's rule: the evaluation during training with the best exact match on the held-out examples
-    (other sequences than the test set's, --held-out-lengths) in the lengths of `selector`; returns
+    (other sequences than the test set's, --held-out-lengths) in the lengths of `selector`, the earliest of
+    equals (the paper gives no tie-break; a run that holds them all often scores 1.000 at many); returns
     its test rows."""
     scored = [(one_seed(h["held_out"], m, selector, "exact"), h) for h in m.get("history", []) if "held_out" in h]
     scored = [(v, h) for v, h in scored if v is not None]
@@ -777,8 +778,8 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
     if not chosen:
         return f"the paper's rule: best checkpoint on held-out lengths {lo}-{hi} (no evaluations during training)", \
             ["-" for _ in exp.columns]
-    return (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi}, "
-            "mean (min-max) over seeds", [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
+    return (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi} "
+            "(the earliest of equals), mean (min-max) over seeds", [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
                                           for _, sel, metric in exp.columns])
 
 

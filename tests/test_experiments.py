@@ -176,6 +176,8 @@ def test_selection_rules_on_a_fake_history(tmp_path):
     assert experiments.top_k_checkpoints(a, (10, 10), "exact") == pytest.approx((0.8 + 0.6 + 0.4) / 3)
     assert experiments.top_k_checkpoints(b, (10, 10), "exact") == pytest.approx(0.2)
     assert [r["exact"] for r in experiments.best_held_out(a, (10, 10))] == [1, 0.6, 0]   # step 2, not step 4
+    tied = fake_seed(2, 1.0, [1, 1, 1], [(1, [1, 0.1, 0], [1, 1, 0]), (2, [1, 0.9, 0], [1, 1, 0])])
+    assert [r["exact"] for r in experiments.best_held_out(tied, (10, 10))] == [1, 0.1, 0]   # the earliest of equals
 
     out = write_seeds(tmp_path / "runs", [a, b])
     cols = [("len 10", (10, 10), "exact")]

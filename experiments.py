@@ -778,9 +778,10 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
     if not chosen:
         return f"the paper's rule: best checkpoint on held-out lengths {lo}-{hi} (no evaluations during training)", \
             ["-" for _ in exp.columns]
-    return (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi} "
-            "(the earliest of equals), mean (min-max) over seeds", [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
-                                          for _, sel, metric in exp.columns])
+    label = (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi} "
+             "(the earliest of equals), mean (min-max) over seeds")
+    return label, [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
+                   for _, sel, metric in exp.columns]
 
 
 def column_numbers(summary: dict, selector, metric: str):
@@ -846,7 +847,6 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
         x, y, lo, hi = zip(*pts)          # the mean, and a bar from the lowest seed to the highest
         bars = np.clip([np.subtract(y, lo), np.subtract(hi, y)], 0, None)    # >= 0 through rounding too
         ax.errorbar(x, y, yerr=bars, marker="o", capsize=3, label=method)
-        ax.fill_between(x, lo, hi, alpha=0.15)
     ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(label)

@@ -224,6 +224,14 @@ class Step:
             torch.cuda.empty_cache()
 
 
+def compiled(model, backend: str = "inductor"):
+    """torch.compile for the training step: one static compilation per padded length (Step pads to a few).
+    torch's default compiles the second length it meets, and every later one, with the length as a symbol:
+    generic kernels, slower than those of a fixed length, so a curriculum run kept them for all its later
+    stages. The evaluation runs the model uncompiled."""
+    return torch.compile(model, dynamic=False, backend=backend)
+
+
 def make_optimizer(model, cfg: TrainConfig, device: str):
     """AdamW: weight decay on matrices only, the method's extra groups (PRISM's alpha) at their own
     ratio to the base learning rate. On CUDA fused, with tensor learning rates a CUDA graph reads."""
@@ -285,7 +293,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         timed = ckpt.get("timed", timed)
         losses = pickle.loads(ckpt["losses"]) if isinstance(ckpt["losses"], bytes) else ckpt["losses"]  # older: a list
         log(f"resumed {cfg.run_dir()} at step {step}")
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = compiled(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
 
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,6 +1,7 @@
 """The shared model, the baselines, the training loop, evaluation, resume and the CLI (CPU)."""
 import json
 import multiprocessing
+from dataclasses import replace
 from pathlib import Path
 import math
 import pickle
@@ -845,3 +846,29 @@ except train.Interrupted as e:
                           env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "reported: stopped by signal 15 after step 3" in done.stdout, done.stderr[-1500:]
     assert not (tmp_path / "copy" / "rope" / "seed0" / "run.lock").exists()
+
+
+def test_compiled_step_compiles_each_padded_length_for_that_length():
+    """--compile: the step compiles once per padded length, each for its fixed length. torch's default
+    compiles the second length it meets with the length as a symbol (generic kernels, kept for every
+    later curriculum stage). Traced here with a backend that records its inputs and runs the graph
+    as it is; batches of three lengths go through the step as the loop runs it (padded)."""
+    symbolic = []
+
+    def record(gm, inputs):
+        symbolic.append(any(isinstance(d, torch.SymInt) for t in inputs
+                            for d in (t.shape if isinstance(t, torch.Tensor) else [t])))
+        return gm.forward
+    cfg = make_config(dict(task="copy", method="rope", device="cpu", d_model=32, n_heads=2, n_layers=1), "cpu")
+    t = cli.validate(cfg)
+    cfg.model.vocab_size, cfg.model.causal = len(t.vocab), t.causal
+    model = build_model(cfg.model)
+    torch._dynamo.reset()
+    step = train.Step(model, train.compiled(model, backend=record), train.make_optimizer(model, cfg, "cpu"),
+                      replace(cfg, compile=True), t, "cpu")
+    rng = np.random.default_rng(0)
+    for length in (5, 20, 40):           # 12, 42 and 82 tokens: padded to 32, 64 and 96
+        step(t.sample(4, length, rng))
+    torch._dynamo.reset()
+    assert sorted(step.buffers) == [32, 64, 96]
+    assert len(symbolic) >= 3 and not any(symbolic), symbolic

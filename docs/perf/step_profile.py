@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     opt = train.make_optimizer(model, cfg, device)
     train.set_lr(opt, cfg.lr)
 
-    fwd = torch.compile(model) if a.compile else model
+    fwd = train.compiled(model) if a.compile else model
     step = train.Step(model, fwd, opt, cfg, task, device)             # (1) as the loop runs it
     for batch in data[:a.warm]:
         step(batch)

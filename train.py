@@ -153,7 +153,8 @@ class Step:
 
     With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch of each
     padded length runs eagerly (a real step), then that step is captured as a CUDA graph which the later
-    batches of the length replay: one launch instead of hundreds for a tiny model. The graphs share one
+    batches of the length replay: one launch instead of hundreds for a tiny model (a compiled model: its first
+    two batches eagerly, as it compiles some of its frames on its second call). The graphs share one
     memory pool (they replay one at a time, each replay's loss copied before the next), so a run holds the
     memory of its largest step; `release` frees it. Padding changes no result beyond float rounding: pads
     come after every real token (causal models never read them), are never supervised, and bidirectional
@@ -166,6 +167,7 @@ class Step:
         self.s = s                              # ctx["s"]: 1 in training (see `finetune`)
         self.pad = cfg.graphs or cfg.compile    # compiled models: a few shapes, so a few compilations
         self.buffers, self.graphs = {}, {}      # padded length -> static (x, y, slot); -> (graph, loss)
+        self.eager = {}                         # padded length -> eager steps run before its capture
         self.pool = None                        # the graphs' memory pool
 
     def body(self, x, y, ctx):
@@ -208,6 +210,9 @@ class Step:
         with torch.cuda.stream(side):
             first = self.body(x, y, ctx)
         torch.cuda.current_stream().wait_stream(side)
+        self.eager[T] = self.eager.get(T, 0) + 1
+        if self.cfg.compile and self.eager[T] < 2:       # a compiled model compiles some frames (where a graph
+            return first                                 # break resumes) on its second call: not in a capture
         graph = torch.cuda.CUDAGraph()
         self.opt.zero_grad(set_to_none=True)             # the graph's backward allocates the gradients
         self.pool = self.pool or torch.cuda.graph_pool_handle()

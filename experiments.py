@@ -394,12 +394,11 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "must divide it); the gate head starting to count as in the quick runs (the paper gives no "
               "initialisation); {more}; {steps}")
 PRISM_FIT = ("copy 45k and add_cot 14k of its 150k steps (30 % and 9 %); measured compiled (--compile), each run "
-             "alone on one H100 (commit 0ecafe2, docs/results/jobs-4gpu-prism-paper-eval): a copy run trains for "
-             "7.7 minutes (107 steps/s, its 44 evaluations during training counted; 8.7 from its command's start to "
-             "its end), an add_cot run for 10.4 (24.7 steps/s), about 1.4 over the 9 minutes a run may take: its "
-             "14k were estimated from a step of 29.9 steps/s (docs/perf/training.md, \"The full budget's runs "
-             "alone\") and kept, as a run goes on over commands from its checkpoints (about 12k fit 9 minutes); the "
-             "curriculum reaches 10 at 5k steps")
+             "alone on one H100: a copy run trains for 7.7 minutes (107 steps/s, its 44 evaluations during training "
+             "counted; 8.7 from its command's start to its end; commit 0ecafe2, "
+             "docs/results/jobs-4gpu-prism-paper-eval), an add_cot run for 7.6-8.1 (30.7 steps/s; 8.2-8.7 from its "
+             "command's start to its end, final evaluation included; commit 8dda9f5, "
+             "docs/results/jobs-2gpu-prism-add-static); the curriculum reaches 10 at 5k steps")
 
 
 def _prism_vs_ape_full(task: str) -> dict:

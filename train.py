@@ -233,7 +233,10 @@ def compiled(model, backend: str = "inductor"):
     """torch.compile for the training step: one static compilation per padded length (Step pads to a few).
     torch's default compiles the second length it meets, and every later one, with the length as a symbol:
     generic kernels, slower than those of a fixed length, so a curriculum run kept them for all its later
-    stages. The evaluation runs the model uncompiled."""
+    stages. The evaluation runs the model uncompiled. AOTAutograd's cache of compiled graphs is turned off: saving
+    an entry crashed the process (a segmentation fault in its pickling, in the first backward pass) for UPE's model
+    at the UPE paper's width on the GPU; each run compiles its own graphs either way."""
+    torch._functorch.config.enable_autograd_cache = False
     return torch.compile(model, dynamic=False, backend=backend)
 
 

@@ -95,8 +95,12 @@ def upe_logits(q, k, rel, uni=None, slot=None):
     return (q @ k.transpose(-1, -2) + pos) / math.sqrt(D)
 
 
+@torch.compiler.disable
 def upe_attention_torch(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
-    """The CPU path: memory O(T (K + M + T)) per head (the tables and the logits)."""
+    """The CPU path (and CUDA's for head dims without a kernel): memory O(T (K + M + T)) per head (the tables
+    and the logits). Never compiled (`--compile` runs it eagerly between the compiled parts): compiled, on CUDA in
+    bfloat16, the UPE paper's RPE model diverged within 1k steps, with or without dropout and CUDA graphs, where
+    the same model trained eagerly did not (docs/results/upe-compile)."""
     logits = _mask(upe_logits(q, k, rel, uni, slot), key_mask, causal)          # (B, H, T, T)
     note_logits(logits)
     return logits.softmax(-1) @ v

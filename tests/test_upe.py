@@ -280,6 +280,34 @@ def test_layers_use_slot_and_key_mask():
     assert RPEAttention(cfg(rpe_clip=4)).uni is None
 
 
+def test_compiled_layers_run_the_pytorch_path_eagerly():
+    """torch.compile leaves `upe_attention_torch` out of its graphs (compiled on CUDA in bfloat16, the UPE paper's
+    RPE model diverged where eager training did not: docs/results/upe-compile). Traced with a backend that records
+    each graph's calls and runs it as it is: the projections are compiled, the offset gather is not, and the
+    output and gradients are the eager ones."""
+    calls = []
+
+    def record(gm, inputs):
+        calls.append([str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")])
+        return gm.forward
+    torch.manual_seed(0)
+    layer = UPEAttention(cfg(rpe_clip=4, upe_slots=3))
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    slot = torch.full((2, 9), -1)
+    slot[:, 0] = 0
+    ctx = {"slot": slot, "slot_max": 0}
+    eager = layer(x, ctx)
+    grad = torch.autograd.grad(eager.square().sum(), [x, layer.rel, layer.uni])
+    torch._dynamo.reset()
+    out = torch.compile(layer, backend=record, dynamic=False)(x, ctx)
+    torch._dynamo.reset()
+    assert calls and not any("gather" in c for graph in calls for c in graph), calls
+    assert any("linear" in c or "qkv" in c for graph in calls for c in graph), calls
+    assert torch.allclose(out, eager, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), [x, layer.rel, layer.uni]), grad):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_layer_checks_the_batch_slots():
     """A 3-digit multiplier has slots 0-2: a model with 2 uniform vectors must refuse it. The layer
     reads the largest slot from ctx (taken on the CPU by batch_context, no device sync)."""

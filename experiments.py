@@ -420,7 +420,7 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "steps/s; copy made 107 steps/s with its evaluations on 1,000 in all, commit 0ecafe2); measured "
                   "(compiled, each run alone on a GPU of a host of two, commit 3d3983c, "
                   "docs/results/jobs-2gpu-dyn-copy-alone): 9.0 minutes from its command's start to its end on an "
-                  "H100 (542 s, 2 over the 9 minutes; training 94.2 steps/s with its evaluations, final evaluation "
+                  "H100 (542 s, 2 s over the 9 minutes; training 94.2 steps/s with its evaluations, final evaluation "
                   "47.5 s), 8.5 on an H200 (510 s). "
                   "SCAN's 12k: compiled, alone on one H100 (commit e0d6633), 26.2 steps/s at 22 actions and 4.4 s "
                   "an evaluation of its whole test split, at most 8.6 minutes (docs/perf/step_profile.py; "

@@ -97,7 +97,7 @@ def upe_logits(q, k, rel, uni=None, slot=None):
 
 @torch.compiler.disable
 def upe_attention_torch(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False):
-    """The CPU path (and CUDA's for head dims without a kernel): memory O(T (K + M + T)) per head (the tables
+    """The CPU path (and CUDA's for head dims above 128): memory O(T (K + M + T)) per head (the tables
     and the logits). Never compiled (`--compile` runs it eagerly between the compiled parts): compiled, on CUDA in
     bfloat16, the UPE paper's RPE model diverged within 1k steps, with or without dropout and CUDA graphs, where
     the same model trained eagerly did not (docs/results/upe-compile)."""
@@ -115,8 +115,8 @@ def upe_attention(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False
     it never reads outside it."""
     if slot is not None and uni is not None and not slot.is_cuda and slot.max() >= uni.shape[1]:
         raise ValueError(f"slot {int(slot.max())} has no uniform vector (M = {uni.shape[1]})")
-    backend = pick_backend(BACKEND, "upe_attention", q.is_cuda, q.shape[-1] in (16, 32, 64, 128),
-                           f"no Triton kernel for head dim {q.shape[-1]}")
+    backend = pick_backend(BACKEND, "upe_attention", q.is_cuda, q.shape[-1] <= 128,
+                           f"no Triton kernel for head dims above 128, got {q.shape[-1]}")
     if backend == "triton":
         from kernels.upe_attention import upe_attention_triton as fn
     else:

@@ -455,11 +455,14 @@ class UPEFlash(torch.autograd.Function):
 @torch.compiler.disable   # --compile: inductor would pass the kernels' float arguments as fp64
 def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causal=False, block=None):
     """Same contract as upe.upe_attention_naive; `UPEFlash` builds the tables q R^T and q C^T.
-    `block`: see `launch_configs`."""
+    `block`: see `launch_configs`. The kernels take head dims 16, 32, 64 and 128; a head dim in between
+    (96 at the UPE paper's width of 768 with 8 heads) is zero-padded to the next of them: zero columns add
+    nothing to any dot product and give zero output columns, which are sliced off (the scale stays D's)."""
     B, H, T, D = q.shape
-    if D not in (16, 32, 64, 128):
-        raise ValueError(f"the UPE Triton kernel takes head dims 16, 32, 64 or 128, got {D}")
-    cfg = launch_configs(D, T, block)
+    DK = next((d for d in (16, 32, 64, 128) if d >= D), None)                 # the kernel's head dim
+    if DK is None:
+        raise ValueError(f"the UPE Triton kernel takes head dims up to 128, got {D}")
+    cfg = launch_configs(DK, T, block)
     for own, step, _, _ in cfg.values():
         if own % step:
             raise ValueError(f"the own block must be a multiple of the step block, got {own} and {step}")
@@ -473,19 +476,19 @@ def upe_attention_triton(q, k, v, rel, uni=None, slot=None, key_mask=None, causa
     pos = torch.arange(Tp, device=q.device, dtype=torch.int32)
     srange = torch.stack((torch.where(slot_ >= 0, pos, Tp).amin(1),          # (B, 2): where slot keys
                           torch.where(slot_ >= 0, pos + 1, 0).amax(1)), 1).to(torch.int32).contiguous()
-    qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) if pad else x for x in (q, k, v))
+    qp, kp, vp = (F.pad(x, (0, DK - D, 0, pad)) if pad or DK > D else x for x in (q, k, v))
     # bf16 inputs get bf16 tables (their rounding is that of the bf16 q.k products; half the traffic),
     # everything else float32. R, reversed, gets zero rows up to NG = NR - 1 (module docstring); QC
     # is a matmul, its rows padded to a multiple of 8 columns so that the matmul uses its fast kernels
     # (the padding columns are never read).
     tdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     NG = table_width(K) - 1
-    rr = F.pad(rel.flip(1).to(tdt), (0, 0, 0, NG - 2 * K - 1))                # (H, NG, D)
+    rr = F.pad(rel.flip(1).to(tdt), (0, DK - D, 0, NG - 2 * K - 1))           # (H, NG, DK)
     uc = None
     if uni is not None and slot is not None:
-        uc = F.pad(uni.to(tdt), (0, 0, 0, -uni.shape[1] % 8))                    # (H, M + pad, D)
-    flat = lambda x: x.reshape(B * H, Tp, D).contiguous()  # noqa: E731
+        uc = F.pad(uni.to(tdt), (0, DK - D, 0, -uni.shape[1] % 8))               # (H, M + pad, DK)
+    flat = lambda x: x.reshape(B * H, Tp, DK).contiguous()  # noqa: E731
     has_mask = key_mask is not None or pad > 0
     o = UPEFlash.apply(flat(qp), flat(kp), flat(vp), rr, uc, slot_, srange, mask, has_mask, H, K, D ** -0.5,
                        causal, cfg)
-    return o.view(B, H, Tp, D)[:, :, :T]
+    return o.view(B, H, Tp, DK)[:, :, :T, :D]

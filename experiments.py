@@ -608,13 +608,12 @@ EXPERIMENTS: dict[str, Experiment] = {
         seeds=[0, 1, 2], select=("held_out", (6, 8)),
         checks=[("add_padded/rpe", "add_padded/ape", c) for c in (1, 2, 3, 4)] + [("add_padded/rpe", HIGH, 4)],
         full=dict(runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
-                             steps=15_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8],
+                             steps=30_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8],
                              **UPE_BERT)
                         for m in ("ape", "rpe")], seeds=[0, 1, 2],
-                  scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 15k steps "
-                         "x 64 (9.6 epochs; the paper trains without stating how long): 2.5 (APE) and 3.4 (RPE) "
-                         "minutes a run alone on one H200, projected from its step (docs/perf/training.md); run 6 "
-                         "at once under MPS on one H200 (wall: each run's share)")),
+                  scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 30k steps "
+                         "x 64 (19.2 epochs; the paper trains without stating how long; 15k steps: "
+                         "docs/results/upe-add-full-15k)")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails (UPE paper Fig. 4 "

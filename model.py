@@ -64,13 +64,13 @@ _probe: list | None = None
 def pick_backend(forced: str | None, name: str, cuda: bool, has_kernel: bool, why: str = "") -> str:
     """The path a method's dispatcher takes: `forced` (its module's BACKEND) when set, else "triton"
     on CUDA where a kernel exists and "torch" otherwise (on CUDA with a warning, once, saying why).
-    Under `largest_logits` "torch", whose logits can be read."""
-    if forced is not None:
-        if forced not in BACKENDS:
-            raise ValueError(f"unknown BACKEND {forced!r}; use None, 'naive', 'torch' or 'triton'")
-        return forced
+    Under `largest_logits` always "torch", whose logits can be read."""
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"unknown BACKEND {forced!r}; use None, 'naive', 'torch' or 'triton'")
     if _probe is not None:
         return "torch"
+    if forced is not None:
+        return forced
     if cuda and not has_kernel:
         warn_once(f"{name}: {why}; using the slower PyTorch path")
     return "triton" if cuda and has_kernel else "torch"

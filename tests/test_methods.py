@@ -180,11 +180,15 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts, compiled):
     assert not far, far
 
 
+@pytest.mark.parametrize("forced", [None, "naive"])
 @pytest.mark.parametrize("method", METHODS)
-def test_the_logit_probe_hears_every_attention_layer(method):
+def test_the_logit_probe_hears_every_attention_layer(method, forced, monkeypatch):
     """largest_logits reports a finite, positive value per attention call, at least one per block,
     for every encoding (a method whose PyTorch path does not report its logits fails here), and
-    leaves the model in training mode."""
+    leaves the model in training mode; also where a module's BACKEND forces another path."""
+    import path_attention, prism, upe, vipe
+    for module in (path_attention, prism, upe, vipe):
+        monkeypatch.setattr(module, "BACKEND", forced)
     model = tiny_model(method)
     values = largest_logits(model, torch.randint(0, 10, (2, 12)))
     assert len(values) >= model.cfg.n_layers and all(0 < v < float("inf") for v in values), values

@@ -245,8 +245,8 @@ def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_
     script("step_profile.py", "--experiment", "upe-add", "--budget", "full", "--label", "rpe-full", "--device", "cpu",
            "--tiny", "--steps", 2, "--top", 2, "--out", out)
     got = json.loads(out.read_text())
-    assert (got["task"], got["run"], got["steps"]) == ("add_padded", "rpe-full", 15_000)
-    assert got["n_evals"] == 16     # every 1000 of 15k steps, and the final one
+    assert (got["task"], got["run"], got["steps"]) == ("add_padded", "rpe-full", 30_000)
+    assert got["n_evals"] == 31     # every 1000 of 30k steps, and the final one
     assert got["eval_during_s"] == got["eval_s"]   # every evaluation takes n_eval examples a length
     text = script("step_profile.py", "--experiment", "prism-add", "--budget", "full", "--label", "prism-full",
                   "--device", "cpu", "--tiny", "--steps", 2, "--top", 2, "--out", out)

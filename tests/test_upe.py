@@ -320,10 +320,11 @@ def test_compiled_layers_run_the_pytorch_path_eagerly():
 @pytest.mark.parametrize("backend", ["torch", None])
 def test_the_papers_rpe_model_trains_compiled(tmp_path, monkeypatch, backend):
     """upe-add's full RPE run (768 wide, 6 layers, head dim 96), 1000 steps compiled with CUDA graphs, on the
-    PyTorch path or the default one (Triton). Compiled inside the graph, the PyTorch path diverged within 1k
-    steps (the largest attention logit 2,000 at 1k, loss 0.5-0.8 at 2k); run eagerly between the compiled parts,
-    the same model's logits stay near 30 (docs/results/upe-compile). The loss bound is above the 0.09 seen
-    here (the 1000-step schedule decays early) and below the 0.2-0.3 where training starts."""
+    PyTorch path or the default one (Triton). Compiled inside the graph, the PyTorch path diverged (the largest
+    attention logit 2,000 by step 1k in a 30k-step run); in this test it reaches 135 by step 500 and 253 by 1000,
+    where the runs with their attention eager stay below 52 over 30k steps (docs/results/upe-compile, step 9),
+    hence the bound of 100. The loss bound is above the 0.09 seen here (the 1000-step schedule decays early) and
+    below the 0.2-0.3 where training starts."""
     import json
     import experiments
     import train
@@ -335,7 +336,7 @@ def test_the_papers_rpe_model_trains_compiled(tmp_path, monkeypatch, backend):
     train.train(cfg, log=lambda *_: None)
     m = json.loads((cfg.run_dir() / "metrics.json").read_text())
     late = [v for s, v in m["loss"] if s > 800]
-    assert max(max(logits) for _, logits in m["logit_max"]) < 200, m["logit_max"]
+    assert max(max(logits) for _, logits in m["logit_max"]) < 100, m["logit_max"]
     assert late and sum(late) / len(late) < 0.15, late
 
 

@@ -8,7 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cli
+import path_attention
+import prism
 import train
+import upe
+import vipe
 from model import Method, Model, ModelConfig, autocast, largest_logits
 from tasks import IGNORE, TASKS, TrainBatches, sample_mixed
 
@@ -186,7 +190,6 @@ def test_the_logit_probe_hears_every_attention_layer(method, forced, monkeypatch
     """largest_logits reports a finite, positive value per attention call, at least one per block,
     for every encoding (a method whose PyTorch path does not report its logits fails here), and
     leaves the model in training mode; also where a module's BACKEND forces another path."""
-    import path_attention, prism, upe, vipe
     for module in (path_attention, prism, upe, vipe):
         monkeypatch.setattr(module, "BACKEND", forced)
     model = tiny_model(method)

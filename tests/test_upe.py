@@ -3,16 +3,19 @@ against the naive one on output and every gradient, the reductions, and the tran
 
 Tolerances: float64 agrees to rounding (1e-10); float32 ~1e-6 seen over softmaxes of <= 97 terms,
 1e-4 allowed."""
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import experiments
+import train
 import upe
 from tasks import TASKS
 from model import ModelConfig
-from cli import main
+from cli import main, make_config
 from upe import RPEAttention, UPEAttention, upe_attention, upe_attention_naive, upe_logits
 
 triton = pytest.importorskip("triton")
@@ -325,10 +328,6 @@ def test_the_papers_rpe_model_trains_compiled(tmp_path, monkeypatch, backend):
     where upe-add's full runs (not compiled) stay below 52 over 30k steps (docs/results/upe-compile, step 9),
     hence the bound of 100. The loss bound is above the 0.09 seen here (the 1000-step schedule decays early) and
     below the 0.2-0.3 where training starts."""
-    import json
-    import experiments
-    import train
-    from cli import make_config
     monkeypatch.setattr(upe, "BACKEND", backend)
     full = experiments.at_budget(experiments.EXPERIMENTS["upe-add"], "full")
     run = next(r for r in full.runs if r["method"] == "rpe")

@@ -427,12 +427,12 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
-                      "but take 178 s an evaluation, mul_cot trains at 4.5 steps/s with 42 GiB and its first "
-                      "evaluation had not ended when a 300 s limit stopped the profile; reverse (not compiled, "
-                      "commit 6aef7cf) 15.7 steps/s and 35 s. The steps that fit 9 minutes (about 2k for stack and "
-                      "odds_first, under 5k for reverse) would not leave the curriculum's first stage (lengths <= 5), "
-                      "and without evaluations the 11k steps of stack that fit would reach lengths <= 20 of its 40: "
-                      "the step and the evaluations both have to get faster "
+                      "(40k steps: 33 minutes) and take 178 s for an evaluation of 1,000 examples at each of their "
+                      "150 lengths (the final one; those during training now take 1,000 in all, not timed), mul_cot "
+                      "trains at 4.5 steps/s with 42 GiB and its first such evaluation had not ended when a 300 s "
+                      "limit stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s. "
+                      "Even without evaluations the 11k steps of stack that fit 9 minutes would reach lengths <= 20 "
+                      "of its 40: the step has to get faster first "
                       "(docs/perf/training.md, \"The full budget's runs alone\")")
 
 

@@ -326,8 +326,8 @@ def test_the_papers_rpe_model_trains_compiled(tmp_path, monkeypatch, backend):
     PyTorch path or the default one (Triton). Compiled inside the graph, the PyTorch path diverged (the largest
     attention logit 2,000 by step 1k in a 30k-step run); in this test it reaches 135 by step 500 and 253 by 1000,
     where upe-add's full runs (not compiled) stay below 63 over 30k steps (8 seeds,
-    docs/results/jobs-4gpu-upe-add-full), hence the bound of 100. The loss bound is above the 0.09 seen here (the 1000-step schedule decays early) and
-    below the 0.2-0.3 where training starts."""
+    docs/results/jobs-4gpu-upe-add-full), hence the bound of 100. The loss bound is above the 0.09 seen here (the
+    1000-step schedule decays early) and below the 0.2-0.3 where training starts."""
     monkeypatch.setattr(upe, "BACKEND", backend)
     full = experiments.at_budget(experiments.EXPERIMENTS["upe-add"], "full")
     run = next(r for r in full.runs if r["method"] == "rpe")

@@ -49,6 +49,34 @@ def test_prism_cot_errors_runs_on_a_trained_model(tmp_path):
         assert f"length {L}: 8 examples, exact " in out, out
 
 
+def test_prism_precision_evaluates_each_precision_on_a_trained_model(tmp_path):
+    run = tiny_run(tmp_path, task="copy", method="prism", train_lengths=[1, 2, 3])
+    out = script("prism_precision.py", run, "2,6", 4)
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["float32", "tf32", "bfloat16"], out
+    assert all(r[1] == "2:" and r[5] == "6:" for r in rows), out
+
+
+def test_prism_precision_rounds_as_bfloat16_and_keeps_float32_scores():
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import prism_precision
+    finally:
+        sys.path.pop(0)
+    import prism
+    x = torch.randn(4096) * 100
+    assert torch.equal(prism_precision.rounded(x, 7), x.bfloat16().float())  # random values: no ties
+    tf = prism_precision.rounded(x, 10)
+    assert (tf.view(torch.int32) & ((1 << 13) - 1) == 0).all()                 # 10 mantissa bits left
+    assert ((tf - x).abs() <= x.abs() * 2.0 ** -11).all() and not torch.equal(tf, x)
+    hist = torch.rand(2, 2 * 3 * 2, 5, 8).softmax(-1)                          # B, 2 H O, T, P with H = 3, O = 2
+    gram = prism.sinusoid_table(8, 6) @ prism.sinusoid_table(8, 6).T
+    assert torch.equal(prism_precision.cursor_scores_at(23)(hist, gram, 3, 6), prism.cursor_scores(hist, gram, 3, 6))
+    low = prism_precision.cursor_scores_at(7)(hist, gram, 3, 6)
+    assert not torch.equal(low, prism.cursor_scores(hist, gram, 3, 6))
+    assert torch.allclose(low, prism.cursor_scores(hist, gram, 3, 6), rtol=0.05)
+
+
 def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
     sys.path.insert(0, str(ROOT / "docs" / "perf"))
     try:

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+WARPS = 4   # warps per program (one (batch, cursor) row): the reductions over the bins cross them
+
+
 
 @triton.jit
 def _stencil(prev, prev_m1, prev_p1, rp, r, inc, dec, keep, P: tl.constexpr):
@@ -120,7 +123,7 @@ class HistogramScan(torch.autograd.Function):
         BP = triton.next_power_of_2(P)
         has_copy = p_copy is not None
         pc = p_copy if has_copy else r                      # any tensor: unread without the copy branch
-        _fwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, T, eps, P=P, BP=BP, HAS_COPY=has_copy)
+        _fwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, T, eps, P=P, BP=BP, HAS_COPY=has_copy, num_warps=WARPS)
         ctx.save_for_backward(r, inc, dec, keep, gamma, pc, hist)
         ctx.P, ctx.eps, ctx.has_copy = P, eps, has_copy
         return hist[:, 1:]
@@ -135,7 +138,7 @@ class HistogramScan(torch.autograd.Function):
         dpc = torch.empty_like(pc) if ctx.has_copy else None
         scratch = torch.empty(BC, BP, device=r.device, dtype=torch.float32)
         _bwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, dhist.contiguous().float(), scratch, *grads, dgamma,
-                    dpc if ctx.has_copy else r, T, ctx.eps, P=P, BP=BP, HAS_COPY=ctx.has_copy)
+                    dpc if ctx.has_copy else r, T, ctx.eps, P=P, BP=BP, HAS_COPY=ctx.has_copy, num_warps=WARPS)
         return (*grads, dgamma, dpc, None, None)
 
 

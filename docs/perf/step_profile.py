@@ -7,14 +7,16 @@ longest training length.
     python docs/perf/step_profile.py --experiment prism-more --task reverse --device cpu --tiny --steps 2
 
 Prints (1) steps/s of train.Step as the loop runs it (CUDA graphs on a GPU; --compile: of the
-compiled model, as `train.py --compile` runs it), (2) the device time of one eager step, summed over
-its kernels, against its wall time (near the wall time: the GPU is busy all step and faster kernels
-are what helps; far below it: the step waits on launches), (3) the --top kernels or operators by
+compiled model, as `train.py --compile` runs it), (2) the device time of one eager step
+(--profile-compiled: of the compiled model without CUDA graphs), summed over its kernels, against its
+wall time (near the wall time: the GPU is busy all step and faster kernels are what helps; far below
+it: the step waits on launches), (3) the --top kernels or operators by
 device time per step (CUDA time on a GPU, the operators' own CPU time otherwise), and (4) one
 evaluation as the run makes it (its test lengths and examples, and its held-out set; and one as it
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
-alone; a run's data workers add nothing where they keep up. --tiny shrinks the model: a check that
+alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
+--tf32 time PRISM's step with a change that the code does not make by default. --tiny shrinks the model: a check that
 the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
@@ -82,9 +84,20 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="auto")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--profile-compiled", action="store_true",
+                   help="(2), (3) of the compiled model (without CUDA graphs) instead of the eager one")
+    p.add_argument("--no-eval", action="store_true", help="leave out (4)")
+    p.add_argument("--scan-warps", type=int, help="PRISM: warps per program of the Triton histogram scan")
+    p.add_argument("--tf32", action="store_true", help="float32 matrix products in TF32 (PRISM's cursor scores)")
     p.add_argument("--out", help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
+    if a.profile_compiled and not a.compile:
+        p.error("--profile-compiled profiles the compiled model: add --compile")
     device = train.device_of(a.device)
+    if a.scan_warps:
+        from kernels import prism_scan
+        prism_scan.WARPS = a.scan_warps
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
     run = pick(a.experiment, a.budget, a.task, a.label)
     cfg = config(run, device, a.tiny, a.compile)
     task = TASKS[cfg.task]
@@ -115,9 +128,10 @@ def main(argv=None) -> int:
         f"{' (compiled)' if a.compile else ''}: {rate:.1f} steps/s ({1e3 / rate:.2f} ms a step)"
         + (f", {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB at most" if device.startswith("cuda") else ""))
 
-    cfg.graphs = cfg.compile = False                                    # (2), (3): every kernel seen
-    eager = train.Step(model, model, opt, cfg, task, device)
-    eager(data[0])
+    cfg.graphs, cfg.compile = False, a.profile_compiled                  # (2), (3): every kernel seen
+    eager = train.Step(model, fwd if a.profile_compiled else model, opt, cfg, task, device)
+    for batch in data[:2]:                                              # a compiled model compiles on both
+        eager(batch)
     sync(device)
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -141,12 +155,27 @@ def main(argv=None) -> int:
             per[evt.key] += us / 1e3 / a.steps
     busy = sum(per.values())
     top = sorted(per.items(), key=lambda kv: -kv[1])[:a.top]
-    say(f"(2) one eager step: {busy:.2f} ms of {'device' if device.startswith('cuda') else 'CPU'} time in "
+    kind = "compiled step without graphs" if a.profile_compiled else "eager step"
+    say(f"(2) one {kind}: {busy:.2f} ms of {'device' if device.startswith('cuda') else 'CPU'} time in "
         f"{wall:.2f} ms wall (profiled)" + (f", {launches / a.steps:.0f} kernels" if launches else ""))
     say("(3) by kernel / operator, ms per step:")
     for key, ms in top:
         say(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
 
+    numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
+                   compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
+                   device=where, batch=cfg.batch_size, length=length, steps_per_s=rate, eager_busy_ms=busy,
+                   eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top, git=train.git_hash())
+    if not a.no_eval:
+        numbers.update(evaluations(a, cfg, model, task, device, rate))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(numbers, f, indent=1)
+    return 0
+
+
+def evaluations(a, cfg, model, task, device: str, rate: float) -> dict:
+    """(4): one evaluation as the run makes it, and the run alone projected from it and (1)'s rate."""
     sets = [(cfg.test_lengths or task.test_lengths, 1)] + ([(cfg.held_out_lengths, 2)] if cfg.held_out_lengths else [])
 
     def one_evaluation(n: int) -> float:
@@ -168,14 +197,7 @@ def main(argv=None) -> int:
         + f"; the run alone: {cfg.steps} steps at (1)'s rate + {n_during} evaluations during training + the final "
         f"one = {train.fmt_time(projected)} (projected"
         + (f"; at most: the evaluations wait for a loss below {cfg.eval_from_loss})" if cfg.eval_from_loss else ")"))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
-                           compile=a.compile, device=where, batch=cfg.batch_size, length=length, steps_per_s=rate,
-                           eager_busy_ms=busy, eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top,
-                           eval_s=eval_s, eval_during_s=during_s, steps=cfg.steps, n_evals=n_evals, projected_s=projected,
-                           git=train.git_hash()), f, indent=1)
-    return 0
+    return dict(eval_s=eval_s, eval_during_s=during_s, steps=cfg.steps, n_evals=n_evals, projected_s=projected)
 
 
 if __name__ == "__main__":

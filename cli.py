@@ -124,6 +124,8 @@ def validate(cfg: TrainConfig, planning: bool = False) -> Task:
         raise UsageError("--compile needs a CUDA GPU; drop it on CPU")
     if cfg.graphs and not device.startswith("cuda"):
         raise UsageError("CUDA graphs need a CUDA GPU")
+    if cfg.tf32 and not device.startswith("cuda"):
+        raise UsageError("--tf32 is for CUDA GPUs (the CPU multiplies in float32); drop it on CPU")
     for what, lengths in (("train", cfg.train_lengths or task.train_lengths),
                           ("test", cfg.test_lengths or task.test_lengths), ("held-out", cfg.held_out_lengths or [])):
         if not lengths and what != "held-out":
@@ -383,7 +385,8 @@ def stop_signals():
 
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
-EXEC_KEYS = {"device", "workers", "graphs", "compile", "runs_at_once", "log_every", "ckpt_every", "preset", "out"}
+EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
+             "out"}
 RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
@@ -850,6 +853,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
+    g.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32 (10-bit inputs, float32 "
+                   "sums): PRISM's position scores, about half its step at the paper's size (docs/perf/prism.md)")
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
                    "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8, per visible GPU, and the number of "
                    "runs); with several GPUs the jobs spread evenly over them")
@@ -940,7 +945,8 @@ def speed(args, device: str, n_runs: int) -> dict:
         raise UsageError("--jobs must be at least 1 and --workers at least 0")
     workers = default_workers(args.jobs) if cuda else 0
     return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
-            "compile": bool(args.compile), "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
+            "compile": bool(args.compile), "tf32": bool(args.tf32),
+            "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
 
 
 def default_workers(jobs: int) -> int:
@@ -1259,8 +1265,8 @@ def checkpoint_step(cfg: TrainConfig) -> int:
 
 
 # settings that do not change what one step costs, or that every run has its own of
-NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "runs_at_once", "preset", "log_every",
-            "ckpt_every"}
+NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "tf32", "runs_at_once", "preset",
+            "log_every", "ckpt_every"}
 
 
 def differences(a: dict, b: dict) -> int:

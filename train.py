@@ -102,6 +102,7 @@ class TrainConfig:
     workers: int = 0                  # processes that make training batches ahead of the step (0: in the loop)
     graphs: bool = False              # replay each step from a CUDA graph per padded length (CUDA only)
     compile: bool = False             # torch.compile the model (CUDA only)
+    tf32: bool = False                # CUDA: float32 matrix products in TF32 (PRISM's position scores)
     runs_at_once: int = 1             # runs sharing its device as it starts (recorded for the plan's times)
     preset: str = ""                  # the preset the defaults came from (recorded, not used)
     out: str = "runs"                 # output root
@@ -282,6 +283,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     train_lengths, test_lengths = cfg.train_lengths or task.train_lengths, cfg.test_lengths or task.test_lengths
 
     torch.manual_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32   # this run's steps and evaluations (a process may run several)
     model = build_model(cfg.model).to(device)
     opt = make_optimizer(model, cfg, device)
     step, losses, wall, timed = 0, [], 0.0, [0, 0.0, 0.0]   # timed: steps, seconds, data wait of earlier processes

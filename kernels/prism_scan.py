@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-WARPS = 4   # warps per program (one (batch, cursor) row): the reductions over the bins cross them
+# Warps per program (one (batch, cursor) row); None: one per 256 bins, at most 8. With one warp a step's many
+# sums over the bins are shuffles within it and its barriers sync only it; more warps split a row and meet
+# through shared memory; fewer threads hold more bins each in registers.
+WARPS = None
+
+
+def warps(BP: int) -> int:
+    return WARPS or max(1, min(8, BP // 256))
 
 
 
@@ -123,7 +130,7 @@ class HistogramScan(torch.autograd.Function):
         BP = triton.next_power_of_2(P)
         has_copy = p_copy is not None
         pc = p_copy if has_copy else r                      # any tensor: unread without the copy branch
-        _fwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, T, eps, P=P, BP=BP, HAS_COPY=has_copy, num_warps=WARPS)
+        _fwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, T, eps, P=P, BP=BP, HAS_COPY=has_copy, num_warps=warps(BP))
         ctx.save_for_backward(r, inc, dec, keep, gamma, pc, hist)
         ctx.P, ctx.eps, ctx.has_copy = P, eps, has_copy
         return hist[:, 1:]
@@ -138,7 +145,7 @@ class HistogramScan(torch.autograd.Function):
         dpc = torch.empty_like(pc) if ctx.has_copy else None
         scratch = torch.empty(BC, BP, device=r.device, dtype=torch.float32)
         _bwd[(BC,)](r, inc, dec, keep, gamma, pc, hist, dhist.contiguous().float(), scratch, *grads, dgamma,
-                    dpc if ctx.has_copy else r, T, ctx.eps, P=P, BP=BP, HAS_COPY=ctx.has_copy, num_warps=WARPS)
+                    dpc if ctx.has_copy else r, T, ctx.eps, P=P, BP=BP, HAS_COPY=ctx.has_copy, num_warps=warps(BP))
         return (*grads, dgamma, dpc, None, None)
 
 

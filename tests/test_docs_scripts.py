@@ -331,3 +331,34 @@ def test_multi_gpu_sums_each_experiments_commands_and_gives_the_efficiency(tmp_p
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "multi_gpu.py"), one, every, "--gpus", "2"],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "not a line of NAME" in done.stderr
+
+
+def test_step_profile_without_evaluation_and_its_option_checks(tmp_path):
+    out = tmp_path / "profile.json"
+    text = script("step_profile.py", "--experiment", "prism-more", "--task", "stack", "--device", "cpu", "--tiny",
+                  "--steps", 1, "--top", 2, "--no-eval", "--out", out)
+    got = json.loads(out.read_text())
+    assert "(4)" not in text and "eval_s" not in got and got["steps_per_s"] > 0 and not got["tf32"]
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "step_profile.py"), "--profile-compiled"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--profile-compiled profiles the compiled model: add --compile" in done.stderr
+
+
+def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
+    out = tmp_path / "parts.json"
+    text = script("prism_parts.py", "--device", "cpu", "--tiny", "--reps", 1, "--no-compile", "--out", out)
+    got = json.loads(out.read_text())
+    assert got["reads"] == [3, 1] and got["T"] == 96, text          # stack: blocks 0 and 3 of --tiny's 4 layers
+    assert [r[:2] for r in got["rows"]] == [["histogram scan", "vectorised step (CPU)"], ["cursor scores", "float32"],
+                                            ["mix, 3 blocks", "broadcast multiply and sum"],
+                                            ["mix, 3 blocks", "batched matrix product"]], text
+    assert all(r[2] > 0 for r in got["rows"])
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import prism_parts
+    finally:
+        sys.path.pop(0)
+    import prism
+    scores, alpha = torch.randn(2, 3, 4, 5, 6), torch.randn(3, 4)
+    assert torch.allclose(prism_parts.mix_matmul(scores, alpha), prism.mix_cursors(scores, alpha), atol=1e-5)
+    assert [prism_parts.triton_width(P) for P in (96, 128, 129)] == [128, 128, 256]

@@ -129,6 +129,27 @@ def test_triton_scan_gpu_large_with_copy():
     assert all(torch.isfinite(x.grad).all() for x in x32)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("P", [128, 600])
+def test_triton_scan_gives_the_same_at_any_warps(P, monkeypatch):
+    """The warps a program runs with split each row's sums differently and nothing else: outputs and
+    gradients at 1, 2, 4 and 8 warps agree to float32 rounding (P = 600: a block of 1024 bins, 4 warps
+    by default)."""
+    from kernels import prism_scan
+    xs, p_copy = gates(3, 5, 120, seed=P, copy_P=P)
+    leaves = [x.detach().float().cuda() for x in xs + [p_copy]]
+    out = {}
+    for w in (1, 2, 4, 8):
+        monkeypatch.setattr(prism_scan, "WARPS", w)
+        x32 = [x.clone().requires_grad_(True) for x in leaves]
+        h = prism_scan.histogram_scan_triton(*x32[:5], P, x32[5])
+        out[w] = [h] + list(torch.autograd.grad(h, x32, torch.linspace(-1, 1, h.numel(), device="cuda").view_as(h)))
+    for w in (2, 4, 8):
+        for a, b in zip(out[1], out[w]):
+            assert (a - b).abs().max() <= 1e-5 * max(1.0, a.abs().max().item())
+
+
 def test_the_copy_branch_takes_the_triton_scan_on_cuda(monkeypatch):
     """The dispatcher sends the copy branch to the kernel (forced here; on CUDA by default) with the
     same result as the PyTorch loop."""

@@ -645,7 +645,25 @@ def test_cli_gpu_options_on_cpu(capsys, tmp_path):
     assert code == 2 and "no CUDA GPU is available" in err
     code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--compile", "--out", str(tmp_path))
     assert code == 2 and "--compile needs a CUDA GPU" in err
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--tf32", "--out", str(tmp_path))
+    assert code == 2 and "--tf32 is for CUDA GPUs" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_each_run_sets_tf32_as_its_config_says(tmp_path):
+    """The TF32 switch is the process's: each run sets it, so that a run after a --tf32 one in the same
+    process (a --jobs worker) multiplies in float32 again. An execution setting: a run made with it counts
+    as the same setup as one without."""
+    was = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (True, False):
+            cfg = tiny_config(tmp_path, steps=2, tag=f"tf32-{tf32}")
+            cfg.tf32 = tf32
+            train.train(cfg, log=lambda *_: None)
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    assert "tf32" in cli.EXEC_KEYS and "tf32" not in cli.RUN_KEYS
 
 
 CLI_TINY = ["--task", "copy", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--steps", "15",

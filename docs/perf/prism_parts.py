@@ -45,6 +45,11 @@ def timed(fn, reps: int, device: str) -> float:
     return (time.perf_counter() - tic) / reps * 1e3
 
 
+def triton_width(P: int) -> int:
+    """The Triton scan's block over the bins: P rounded up to a power of 2."""
+    return 1 << (P - 1).bit_length()
+
+
 def mix_matmul(scores, alpha):
     """`prism.mix_cursors` as one batched matrix product per (batch, head): (1, O) @ (O, T T)."""
     B, H, O, T, S = scores.shape
@@ -99,12 +104,12 @@ def main(argv=None) -> int:
         prism.histogram_scan(*gates, gamma[None], P, p_copy).sum().backward()
     if cuda:
         from kernels import prism_scan
-        default = prism_scan.WARPS
+        default = prism_scan.warps(triton_width(P))
         for w in [int(x) for x in a.warps.split(",")]:
             prism_scan.WARPS = w
             rows.append(("histogram scan", f"Triton, {w} warps{' (default)' if w == default else ''}",
                          timed(scan, a.reps, device)))
-        prism_scan.WARPS = default
+        prism_scan.WARPS = None
     else:
         rows.append(("histogram scan", "vectorised step (CPU)", timed(scan, a.reps, device)))
 

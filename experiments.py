@@ -614,7 +614,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                   scaled="the paper's model and optimiser (appendix B) and its fixed set of 100k sums; 30k steps "
                          "x 64 (19.2 epochs; the paper trains without stating how long; 15k steps: "
                          "docs/results/upe-add-full-15k); 8 seeds, since how far RPE holds differs from seed to seed "
-                         "(the paper: high fluctuations), APE seeds 0-4 and 6")),
+                         "(the paper: high fluctuations)")),
     "upe-mul": Experiment(
         claim="Padded multiplication, 1- and 3-digit multipliers, train multiplicands < 10^5, test to 20 digits: "
               "with a 3-digit multiplier UPE keeps about 90 % at 16 digits, RPE degrades, APE fails (UPE paper Fig. 4 "

@@ -432,7 +432,9 @@ PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach th
                       "trains at 4.5 steps/s with 42 GiB and its first such evaluation had not ended when a 300 s "
                       "limit stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s. "
                       "Even without evaluations the 11k steps of stack that fit 9 minutes would reach lengths <= 20 "
-                      "of its 40: the step has to get faster first "
+                      "of its 40. With the one-warp scan and --tf32 (commit e284a40, one H200) stack makes 30.3 "
+                      "steps/s compiled (17.4 before them, another H200): 40k steps 22 minutes, 16k fit 9 without "
+                      "evaluations; the step has to get 2.4 times faster still "
                       "(docs/perf/training.md, \"The full budget's runs alone\")")
 
 

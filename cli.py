@@ -854,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
     g.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32 (10-bit inputs, float32 "
-                   "sums): PRISM's position scores, about half its step at the paper's size (docs/perf/prism.md)")
+                   "sums): PRISM's position scores (their kernels 3x faster at the paper's size, docs/perf/prism.md)")
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
                    "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8, per visible GPU, and the number of "
                    "runs); with several GPUs the jobs spread evenly over them")

@@ -9,7 +9,7 @@ multiply and sum and as a batched matrix product, and each of those compiled (as
 Shapes, per position stream: the run's batch at its longest training length, padded as train.Step pads
 it; the bins a cursor can reach (as PrismHooks cuts them); the mix once for each block that reads the
 stream. Inputs are random (gates from random logits, histograms from the scan), so the times are the
-run's but the values are not. Prints a table of milliseconds per step for each part and variant, and
+run's but the values are not. Prints a table of milliseconds per position stream for each part and variant, and
 how far the TF32 scores are from the float32 ones. Results: docs/perf/prism.md.
 """
 from __future__ import annotations

@@ -27,8 +27,8 @@ WARPS = None
 
 
 def warps(BP: int) -> int:
+    """Warps a program of a BP-bin block runs with."""
     return WARPS or max(1, min(8, BP // 256))
-
 
 
 @triton.jit

@@ -46,8 +46,9 @@ def timed(fn, reps: int, device: str) -> float:
 
 
 def triton_width(P: int) -> int:
-    """The Triton scan's block over the bins: P rounded up to a power of 2."""
-    return 1 << (P - 1).bit_length()
+    """The Triton scan's block over the bins: P rounded up to a power of 2, as the kernel's wrapper does."""
+    import triton
+    return triton.next_power_of_2(P)
 
 
 def mix_matmul(scores, alpha):

@@ -16,8 +16,8 @@ evaluation as the run makes it (its test lengths and examples, and its held-out 
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
 alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
---tf32 time PRISM's step with a change that the code does not make by default. --tiny shrinks the model: a check that
-the script runs, not a measurement. Run it from the repository root.
+--tf32 time PRISM's step with another warp count in its scan or with TF32 products. --tiny shrinks the
+model: a check that the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
 from __future__ import annotations

@@ -376,7 +376,7 @@ _PRISM_RUNS = ("PRISM's gate head starts with biases reset -1, increment +1 (pri
 # minutes a run may take (PRISM_FIT: what they took); the curriculum reaches their longest length at 5k steps.
 PRISM_PAPER = dict(n_layers=5, d_model=210, n_heads=35, lr=9e-5, beta2=0.98, batch_size=100, curriculum=True,
                    curriculum_steps=5000, eval_every=1000, eval_from_loss=0.1, n_eval=1000)
-PRISM_FIT_STEPS = {"copy": 45_000, "add_cot": 14_000}
+PRISM_FIT_STEPS = {"copy": 45_000, "add_cot": 18_000}
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
 
 
@@ -393,11 +393,13 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "1,000 examples at each test length in the final evaluation; a width of 210 for its 192 (35 heads "
               "must divide it); the gate head starting to count as in the quick runs (the paper gives no "
               "initialisation); {more}; {steps}")
-PRISM_FIT = ("copy 45k and add_cot 14k of its 150k steps (30 % and 9 %); measured compiled (--compile), each run "
-             "alone on one H100: a copy run trains for 7.7 minutes (107 steps/s, its 44 evaluations during training "
+PRISM_FIT = ("copy 45k and add_cot 18k of its 150k steps (30 % and 12 %). Copy's measured compiled (--compile), each "
+             "run alone on one H100: a copy run trains for 7.7 minutes (107 steps/s, its 44 evaluations during training "
              "counted; 8.7 from its command's start to its end; commit 0ecafe2, "
-             "docs/results/jobs-4gpu-prism-paper-eval), an add_cot run for 7.6-8.1 (30.7 steps/s; 8.2-8.7 from its "
-             "command's start to its end, final evaluation included; commit 8dda9f5, "
+             "docs/results/jobs-4gpu-prism-paper-eval). add_cot's 18k are estimated from its step with the one-warp "
+             "scan and TF32 products (--compile --tf32): 46.2 steps/s alone on an H200 (commit 3c65cc7, "
+             "docs/results/full-budget-speed, p37; 33.6 there before them, 29.9 on an H100), so about 7.8 minutes "
+             "on an H100 by the earlier 14k runs' 30.7 steps/s and 8.2-8.7 minutes (commit 8dda9f5, "
              "docs/results/jobs-2gpu-prism-add-static); the curriculum reaches 10 at 5k steps")
 
 

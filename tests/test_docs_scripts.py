@@ -278,11 +278,11 @@ def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_
     assert got["eval_during_s"] == got["eval_s"]   # every evaluation takes n_eval examples a length
     text = script("step_profile.py", "--experiment", "prism-add", "--budget", "full", "--label", "prism-full",
                   "--device", "cpu", "--tiny", "--steps", 2, "--top", 2, "--out", out)
-    assert "14000 steps at (1)'s rate + 14 evaluations during training + the final one" in text, text
+    assert "18000 steps at (1)'s rate + 18 evaluations during training + the final one" in text, text
     assert "at most: the evaluations wait for a loss below 0.1" in text
     got = json.loads(out.read_text())              # (full size: 34 a length during training, 1,000 at the end)
     assert "(2 examples a length)" in text and "during training (1 a length)" in text
-    assert got["projected_s"] == pytest.approx(14_000 / got["steps_per_s"] + 14 * got["eval_during_s"] + got["eval_s"])
+    assert got["projected_s"] == pytest.approx(18_000 / got["steps_per_s"] + 18 * got["eval_during_s"] + got["eval_s"])
     with pytest.raises(AssertionError, match="has no run"):
         script("step_profile.py", "--experiment", "upe-add", "--label", "upe", "--device", "cpu", "--tiny")
 

@@ -1288,7 +1288,8 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
     k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
     where the two differ; a run that recorded no runs_at_once counts as it ran, and the label says
-    "sharing not recorded": its time may include other runs' share of its device). Small models that leave a
+    "sharing not recorded": its time may include other runs' share of its device). The label also says
+    where those runs were made with another --compile or --tf32 than this one: not scaled, their speed differs. Small models that leave a
     GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated.
     A run's time is its training loop's (wall_s, per step) and its final evaluation's (final_eval_s, with
     ViPE's fine-tuning); runs from before that was recorded give the loop's alone, and the label says
@@ -1321,7 +1322,9 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
         return ("" if there in ([], [cfg.runs_at_once]) else
                 f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here") + \
             (", sharing not recorded there" if unrecorded else "") + \
-            (", final evaluation not timed there" if any("final_eval_s" not in m for m in ms) else "")
+            (", final evaluation not timed there" if any("final_eval_s" not in m for m in ms) else "") + \
+            "".join(f", {'without' if getattr(cfg, flag) else 'with'} --{flag} there" for flag in ("compile", "tf32")
+                    if any(bool(m["config"].get(flag)) != bool(getattr(cfg, flag)) for m in ms))
     seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads

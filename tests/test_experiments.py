@@ -1112,6 +1112,14 @@ def test_a_runs_time_counts_its_final_evaluation(capsys, tmp_path, monkeypatch):
                                                                "device": "cpu (2 cores)"}))
     assert cli.time_of(dataclasses.replace(legacy, seed=1)) == (
         pytest.approx(30.0), "measured: seed0, final evaluation not timed there")
+    fast = dataclasses.replace(legacy, seed=1, compile=True)                      # a speed setting differs
+    assert cli.time_of(fast)[1] == "measured: seed0, final evaluation not timed there, without --compile there"
+    assert cli.time_of(dataclasses.replace(fast, compile=False, tf32=True))[1].endswith(", without --tf32 there")
+    tf32 = make_config({**base, "tag": "tf32", "runs_at_once": 1}, "cpu")          # made with --tf32, planned without
+    tf32.run_dir().mkdir(parents=True)
+    (tf32.run_dir() / "metrics.json").write_text(json.dumps({"config": {**train.asdict(tf32), "tf32": True},
+                                                             "wall_s": 30.0, "final_eval_s": 0.0, "device": "cpu"}))
+    assert cli.time_of(dataclasses.replace(tf32, seed=1)) == (pytest.approx(30.0), "measured: seed0, with --tf32 there")
 
 
 def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_device_now(tmp_path, monkeypatch):

@@ -416,11 +416,15 @@ def _prism_vs_ape_full(task: str) -> dict:
                                               "embeddings, shift 100)", steps=PRISM_FIT))
 
 
-# The length-40 tasks reach their last curriculum stage at 30k steps; neither their step nor their evaluations (to
-# length 150) are fast enough for that to fit. Dynamic string copy (trained to 10, as copy) and SCAN (no
-# curriculum) take the steps estimated to fit 9 minutes (PRISM_MORE_FIT: how, and what they took).
+# The length-40 tasks reach their last curriculum stage at 30k steps on the paper's schedule, which does not fit 9
+# minutes. Dynamic string copy (trained to 10, as copy) and SCAN (no curriculum) take the steps estimated to fit
+# (PRISM_MORE_FIT: how, and what they took); so do stack and odds-first (PRISM_MORE_SCALED), with the curriculum
+# scaled to those steps as in the quick runs (its stages in equal parts of the first half) and 100 examples per
+# length in the final evaluation (their 150 test lengths at 1,000 each took 3 minutes); reverse and mul_cot
+# stay at 40k, not run (PRISM_MORE_NOT_RUN).
 PRISM_MORE_STEPS = 40_000
-PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000}
+PRISM_MORE_SCALED = {"stack": 9_000, "odds_first": 9_000}
+PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000, **PRISM_MORE_SCALED}
 PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %). Dynamic copy's 40k "
                   "were estimated from copy's runs to take about 8 minutes (its step as fast: 109.2 against 124.1 "
                   "steps/s; copy made 107 steps/s with its evaluations on 1,000 in all, commit 0ecafe2); measured "
@@ -430,18 +434,18 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "47.5 s), 8.5 on an H200 (510 s). "
                   "SCAN's 12k: compiled, alone on one H100 (commit e0d6633), 26.2 steps/s at 22 actions and 4.4 s "
                   "an evaluation of its whole test split, at most 8.6 minutes (docs/perf/step_profile.py; "
-                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps")
+                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps. Stack and "
+                  "odds_first 9k (6 %), their curriculum scaled to them (40 from step 3.6k; the paper's schedule "
+                  "reaches 40 at 30k), 100 examples at each test length in the final evaluation: estimated from "
+                  "stack's step with the one-warp scan and --tf32, 30.3 steps/s at length 40 compiled on an H200 "
+                  "(commit e284a40, docs/results/full-budget-speed p36; odds_first's step timed as stack's before "
+                  "them, 20.5 steps/s both), so about 8 minutes on an H100 with their compilations and evaluations; "
+                  "not yet run")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
-                      "not run: compiled, on one H200 (commit 2daeea8), stack and odds_first train at 20.5 steps/s "
-                      "(40k steps: 33 minutes) and take 178 s for an evaluation of 1,000 examples at each of their "
-                      "150 lengths (the final one; those during training now take 1,000 in all, not timed), mul_cot "
-                      "trains at 4.5 steps/s with 42 GiB and its first such evaluation had not ended when a 300 s "
-                      "limit stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s. "
-                      "Even without evaluations the 11k steps of stack that fit 9 minutes would reach lengths <= 20 "
-                      "of its 40. With the one-warp scan and --tf32 (commit e284a40, one H200) stack makes 30.3 "
-                      "steps/s compiled (17.4 before them, another H200): 40k steps 22 minutes, 16k fit 9 without "
-                      "evaluations; the step has to get 2.4 times faster still "
-                      "(docs/perf/training.md, \"The full budget's runs alone\")")
+                      "not run: compiled, on one H200 (commit 2daeea8), mul_cot trains at 4.5 steps/s with 42 GiB "
+                      "and its first evaluation of 1,000 examples at each length had not ended when a 300 s limit "
+                      "stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s an "
+                      "evaluation (docs/perf/training.md, \"The full budget's runs alone\")")
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
@@ -461,6 +465,8 @@ def _prism_more_full(run: dict) -> dict:
     """A prism-more run in the paper's setup: its task, lengths and options, PRISM_PAPER for the rest."""
     full = {**PRISM_PAPER, "task": run["task"], "method": "prism", "opts": {**run.get("opts", {}), **PRISM_OPTS},
             "steps": PRISM_MORE_FIT_STEPS.get(run["task"], PRISM_MORE_STEPS)}
+    if run["task"] in PRISM_MORE_SCALED:               # the curriculum scaled to the steps, as in the quick runs
+        full.update(curriculum_steps=0, n_eval=100)
     if run["task"] != "scan_cot":                      # SCAN evaluates its whole test split, whatever n
         full["n_eval_during"] = paper_test_set(run["task"])
     if "train_lengths" in run:
@@ -596,7 +602,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2], select=("top3",),
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
                                                 "in five); bins and blocks as in the quick runs",
-                                         steps=PRISM_MORE_FIT + "; reverse, odds_first, stack and mul_cot: "
+                                         steps=PRISM_MORE_FIT + "; reverse and mul_cot: "
                                          + PRISM_MORE_NOT_RUN)),
         seeds=[0, 1, 2],
         checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),

@@ -1288,9 +1288,10 @@ def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
     Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
     k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
     where the two differ; a run that recorded no runs_at_once counts as it ran, and the label says
-    "sharing not recorded": its time may include other runs' share of its device). The label also says
-    where those runs were made with another --compile or --tf32 than this one: not scaled, their speed differs. Small models that leave a
-    GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is overstated.
+    "sharing not recorded": its time may include other runs' share of its device). The label also says where
+    those runs had another --compile or --tf32 than this one (not scaled for: their speed differs). Small models
+    that leave a GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is
+    overstated.
     A run's time is its training loop's (wall_s, per step) and its final evaluation's (final_eval_s, with
     ViPE's fine-tuning); runs from before that was recorded give the loop's alone, and the label says
     "final evaluation not timed there"."""

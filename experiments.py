@@ -393,18 +393,17 @@ PRISM_FULL = ("the paper's setup (PRISM_PAPER: 5 layers, 35 heads x 4 cursors, s
               "1,000 examples at each test length in the final evaluation; a width of 210 for its 192 (35 heads "
               "must divide it); the gate head starting to count as in the quick runs (the paper gives no "
               "initialisation); {more}; {steps}")
-PRISM_FIT = ("copy 45k and add_cot 18k of its 150k steps (30 % and 12 %). Copy's measured compiled (--compile), each "
-             "run alone on one H100: a copy run trains for 7.7 minutes (107 steps/s, its 44 evaluations during training "
-             "counted; 8.7 from its command's start to its end; commit 0ecafe2, "
-             "docs/results/jobs-4gpu-prism-paper-eval). add_cot's 18k are estimated from its step with the one-warp "
-             "scan and TF32 products (--compile --tf32): 46.2 steps/s alone on an H200 (commit 3c65cc7, "
-             "docs/results/full-budget-speed, p37; 33.6 there before them, 29.9 on an H100), so about 7.8 minutes "
-             "on an H100 by the earlier 14k runs' 30.7 steps/s and 8.2-8.7 minutes (commit 8dda9f5, "
-             "docs/results/jobs-2gpu-prism-add-static). Measured (commit 1870fd8, each run alone on an H200 of a "
-             "host of two, docs/results/jobs-2gpu-prism-add-18k): 6.8-7.3 minutes from its command's start to its "
-             "end (405-437 s; training 47.8-49.2 steps/s with its evaluations, final evaluation 12-14 s); on an H100 "
-             "not run, about 8.2 minutes by the earlier step's rates there and on an H200 (29.9 and 33.6 steps/s); "
-             "the curriculum reaches 10 at 5k steps")
+PRISM_FIT = ("copy 45k and add_cot 18k of its 150k steps (30 % and 12 %). Copy's, measured compiled (--compile), each "
+             "run alone on one H100: a copy run trains for 7.7 minutes (107 steps/s, its 44 evaluations during "
+             "training counted; 8.7 from its command's start to its end; commit 0ecafe2, "
+             "docs/results/jobs-4gpu-prism-paper-eval). add_cot's 18k were chosen from its step with the one-warp scan"
+             " and TF32 products (--compile --tf32): 46.2 steps/s alone on an H200 (commit 3c65cc7, "
+             "docs/results/full-budget-speed, p37; before them 33.6 on an H200, 29.9 on an H100, where 14k steps took "
+             "8.2-8.7 minutes a run: docs/results/jobs-2gpu-prism-add-static). Measured (commit 1870fd8, each run "
+             "alone on an H200 of a host of two, docs/results/jobs-2gpu-prism-add-18k): 6.8-7.3 minutes from its "
+             "command's start to its end (405-437 s; training 47.8-49.2 steps/s with its evaluations, final evaluation"
+             " 12-14 s); on an H100 not run, about 8.2 minutes by the earlier step's rates there and on an H200 (29.9 "
+             "and 33.6 steps/s); the curriculum reaches 10 at 5k steps")
 
 
 def _prism_vs_ape_full(task: str) -> dict:

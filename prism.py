@@ -316,6 +316,11 @@ class CopyHead(nn.Module):
         return torch.cat([to_bins, p[..., T:]], -1)                                         # (B, H, T, P + 1)
 
 
+def reachable_bins(P: int, T: int) -> int:
+    """The bins a cursor can reach in T steps (T + 1 counts, rounded up to 32), at most the P it has."""
+    return min(P, -(-(T + 1) // 32) * 32)
+
+
 class PrismHooks(Hooks):
     """Computes the position streams before the chosen blocks and leaves each cursor's position
     scores in ctx for every following block: ctx["prism_scores"] (B, H, O, T, T) (`cursor_scores`);
@@ -360,7 +365,7 @@ class PrismHooks(Hooks):
         k, T = self.blocks.index(i), h.shape[1]
         p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
         gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
-        P = min(self.P, -(-(T + 1) // 32) * 32)                       # the bins a cursor can reach
+        P = reachable_bins(self.P, T)
         p_copy = None
         if self.copy:
             n, O = self.H * self.O, self.O

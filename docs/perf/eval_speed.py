@@ -21,24 +21,17 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "docs/perf")
-import experiments  # noqa: E402
 import train  # noqa: E402
 from evaluation import evaluate  # noqa: E402
-from step_profile import config, pick, say, sync  # noqa: E402
+from step_profile import config, pick, run_options, say, sync  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default="prism-more")
-    p.add_argument("--budget", default="quick", choices=experiments.BUDGETS)
-    p.add_argument("--task")
-    p.add_argument("--label")
+    run_options(p)
     p.add_argument("--tokens", default="32768", help="comma-separated tokens per forward pass, each timed")
     p.add_argument("--no-compile", action="store_true", help="eager only")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
     device = train.device_of(a.device)
     cfg = config(pick(a.experiment, a.budget, a.task, a.label), device, a.tiny, False)

@@ -27,7 +27,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prism        # noqa: E402
 import train        # noqa: E402
-from step_profile import config, pick  # noqa: E402
+from step_profile import config, pick, run_options  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 
@@ -59,16 +59,10 @@ def mix_matmul(scores, alpha):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default="prism-more")
-    p.add_argument("--budget", default="full")
-    p.add_argument("--task", default="stack")
-    p.add_argument("--label", help="the run's folder name (default: the task's first run)")
+    run_options(p, budget="full", task="stack")
     p.add_argument("--warps", default="1,2,4,8", help="warps per program of the Triton scan to time")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled variants")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
     device = train.device_of(a.device)
     cuda = device.startswith("cuda")
@@ -83,7 +77,7 @@ def main(argv=None) -> int:
     length = max(cfg.train_lengths or task.train_lengths)
     tokens = task.sample(1, length, np.random.default_rng(0), **cfg.task_opts).x.shape[1]
     T = -(-tokens // train.Step.BUCKET) * train.Step.BUCKET
-    P = min(int(o.get("prism_bins", 256)), -(-(T + 1) // 32) * 32)
+    P = prism.reachable_bins(int(o.get("prism_bins", 256)), T)
     B, N = cfg.batch_size, 2 * H * O
     copy = bool(o.get("prism_copy", False))
     where = torch.cuda.get_device_name() if cuda else "cpu"
@@ -92,7 +86,7 @@ def main(argv=None) -> int:
 
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
-    gates = [torch.sigmoid(rand(B, N, T) - 2).requires_grad_()] + list(rand(B, N, T, 3).softmax(-1).unbind(-1))
+    gates = [torch.sigmoid(rand(B, N, T) - 2)] + list(rand(B, N, T, 3).softmax(-1).unbind(-1))
     gates = [x.detach().requires_grad_() for x in gates]
     gamma = torch.full((N,), 2.0, device=device, requires_grad=True)
     p_copy = rand(B, N, T, P + 1).softmax(-1).requires_grad_() if copy else None

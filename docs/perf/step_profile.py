@@ -72,24 +72,29 @@ def sync(device: str):
         torch.cuda.synchronize()
 
 
+def run_options(p: argparse.ArgumentParser, budget: str = "quick", task: str | None = None):
+    """The options that pick a run (`pick`) and where it runs (`config`), for this and the other perf scripts."""
+    p.add_argument("--experiment", default="prism-more", help="an experiment of experiments.EXPERIMENTS")
+    p.add_argument("--budget", default=budget, choices=experiments.BUDGETS)
+    p.add_argument("--task", default=task, help="a task of the experiment (default: its first run's)")
+    p.add_argument("--label", help="the run's folder name, e.g. vipe-L3-full (default: the task's first run)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tiny", action="store_true", help="a tiny model: a check that the script runs")
+    p.add_argument("--out", help="also write the numbers to this JSON file")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default="prism-more", help="an experiment of experiments.EXPERIMENTS")
-    p.add_argument("--budget", default="quick", choices=experiments.BUDGETS)
-    p.add_argument("--task", help="a task of the experiment (default: its first run's)")
-    p.add_argument("--label", help="the run's folder name, e.g. vipe-L3-full (default: the task's first run)")
+    run_options(p)
     p.add_argument("--compile", action="store_true", help="(1) with the model compiled (train.py --compile)")
     p.add_argument("--steps", type=int, default=30, help="steps timed, and steps profiled")
     p.add_argument("--warm", type=int, default=5, help="steps before the clock starts (graph captures)")
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--tiny", action="store_true")
     p.add_argument("--profile-compiled", action="store_true",
                    help="(2), (3) of the compiled model (without CUDA graphs) instead of the eager one")
     p.add_argument("--no-eval", action="store_true", help="leave out (4)")
     p.add_argument("--scan-warps", type=int, help="PRISM: warps per program of the Triton histogram scan")
     p.add_argument("--tf32", action="store_true", help="float32 matrix products in TF32 (PRISM's cursor scores)")
-    p.add_argument("--out", help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
     if a.profile_compiled and not a.compile:
         p.error("--profile-compiled profiles the compiled model: add --compile")

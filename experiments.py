@@ -439,7 +439,10 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "stack's step with the one-warp scan and --tf32, 30.3 steps/s at length 40 compiled on an H200 "
                   "(commit e284a40, docs/results/full-budget-speed p36; odds_first's step timed as stack's before "
                   "them, 20.5 steps/s both), so about 8 minutes on an H100 with their compilations and evaluations; "
-                  "not yet run")
+                  "measured (compiled, --tf32, each run alone on an H200, commit 36164d5, "
+                  "docs/results/jobs-h200-prism-more-9k): 4.7-5.8 minutes from its command's start to its end "
+                  "(training 33.2-36.7 steps/s with its evaluations, final evaluation 12.5-14.7 s); on an H100 not "
+                  "run")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
                       "not run: compiled, on one H200 (commit 2daeea8), mul_cot trains at 4.5 steps/s with 42 GiB "
                       "and its first evaluation of 1,000 examples at each length had not ended when a 300 s limit "

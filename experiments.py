@@ -417,12 +417,12 @@ def _prism_vs_ape_full(task: str) -> dict:
 
 # The length-40 tasks reach their last curriculum stage at 30k steps on the paper's schedule, which does not fit 9
 # minutes. Dynamic string copy (trained to 10, as copy) and SCAN (no curriculum) take the steps estimated to fit
-# (PRISM_MORE_FIT: how, and what they took); so do stack and odds-first (PRISM_MORE_SCALED), with the curriculum
-# scaled to those steps as in the quick runs (its stages in equal parts of the first half) and 100 examples per
-# length in the final evaluation (their 150 test lengths at 1,000 each took 3 minutes); reverse and mul_cot
-# stay at 40k, not run (PRISM_MORE_NOT_RUN).
+# (PRISM_MORE_FIT: how, and what they took); so do reverse, stack and odds-first (PRISM_MORE_SCALED), with the
+# curriculum scaled to those steps as in the quick runs (its stages in equal parts of the first half) and 100
+# examples per length in the final evaluation (their 150 test lengths at 1,000 each took 3 minutes); mul_cot stays
+# at 40k, not run (PRISM_MORE_NOT_RUN).
 PRISM_MORE_STEPS = 40_000
-PRISM_MORE_SCALED = {"stack": 9_000, "odds_first": 9_000}
+PRISM_MORE_SCALED = {"reverse": 9_000, "stack": 9_000, "odds_first": 9_000}
 PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000, **PRISM_MORE_SCALED}
 PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %). Dynamic copy's 40k "
                   "were estimated from copy's runs to take about 8 minutes (its step as fast: 109.2 against 124.1 "
@@ -442,12 +442,14 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "measured (compiled, --tf32, each run alone on an H200, commit 36164d5, "
                   "docs/results/jobs-h200-prism-more-9k): 4.7-5.8 minutes from its command's start to its end "
                   "(training 33.2-36.7 steps/s with its evaluations, final evaluation 12.5-14.7 s); on an H100 not "
-                  "run")
-PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %; the length-40 tasks reach their last curriculum stage at 30k); "
-                      "not run: compiled, on one H200 (commit 2daeea8), mul_cot trains at 4.5 steps/s with 42 GiB "
-                      "and its first evaluation of 1,000 examples at each length had not ended when a 300 s limit "
-                      "stopped the profile; reverse (not compiled, commit 6aef7cf) 15.7 steps/s and 35 s an "
-                      "evaluation (docs/perf/training.md, \"The full budget's runs alone\")")
+                  "run. Reverse 9k as they, not yet run, estimated to take no longer (one position stream where "
+                  "they have two; not timed at this size since the one-warp scan): not compiled, 15.7 steps/s "
+                  "(commit 6aef7cf; prism-add's 17.5 then, 33.6 compiled), stack's compiled 20.5 "
+                  "(docs/perf/training.md, \"The full budget's runs alone\")")
+PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %); not run: compiled, on one H200 (commit 2daeea8), it trains at "
+                      "4.5 steps/s with 42 GiB and its first evaluation of 1,000 examples at each length had not "
+                      "ended when a 300 s limit stopped the profile (docs/perf/training.md, \"The full budget's runs "
+                      "alone\")")
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
@@ -604,7 +606,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=dict(runs=[_prism_more_full(run) for run in _PRISM_MORE], seeds=[0, 1, 2], select=("top3",),
                   scaled=PRISM_FULL.format(more="the copy branch on one query cursor of each head (the paper: one "
                                                 "in five); bins and blocks as in the quick runs",
-                                         steps=PRISM_MORE_FIT + "; reverse and mul_cot: "
+                                         steps=PRISM_MORE_FIT + "; mul_cot: "
                                          + PRISM_MORE_NOT_RUN)),
         seeds=[0, 1, 2],
         checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),

@@ -586,7 +586,8 @@ def test_every_full_curriculum_trains_at_its_longest_length_for_a_quarter_of_its
     """The full budget takes fewer steps than the paper where they do not fit; a run cut so short that
     the paper's curriculum (5k steps a stage) never reaches its longest training length, or only at the
     end, would not be the paper's setup. The quick runs scale their curriculum to their steps instead, and
-    so do the full runs of prism-more's stack and odds-first, which the paper's schedule takes to 40 at 30k."""
+    so do the full runs of prism-more's reverse, stack and odds-first, which the paper's schedule takes to
+    40 at 30k."""
     from tasks import curriculum_lengths
     seen = 0
     for name, exp in experiments.EXPERIMENTS.items():

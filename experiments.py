@@ -747,12 +747,14 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
             continue
         s = json.loads(path.read_text())
-        cells = [column_value(s, sel, metric) for _, sel, metric in exp.columns]
+        top, runs = s["train_max_length"], seed_metrics(path.parent, s["seeds"])
+        cells = [column_value([m["eval"] for m in runs], top, sel, metric) for _, sel, metric in exp.columns]
         lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean (min-max) over seeds"
                      + examples_note(s["eval"]) + " | " + " | ".join(cells)
                      + f" | {len(s['seeds'])} | {s['device']} | {np.mean(s['wall_s']) / 60:.1f} min |")
-        for rule, points in s.get("ablations", {}).items():
-            cells = [column_value({**s, "eval": points}, sel, metric) for _, sel, metric in exp.columns]
+        for rule in s.get("ablations", {}):
+            rows = [ablations(m)[rule] for m in runs]
+            cells = [column_value(rows, top, sel, metric) for _, sel, metric in exp.columns]
             lines.append(f"| {run['task']}/{label} | this repo, {rule} | "
                          + " | ".join(cells) + f" | {len(s['seeds'])} | | |")
         if exp.select:
@@ -777,8 +779,7 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
                  else f"(none exceeds in-distribution exact match {MIN_TRAIN})")
         return (f"the paper's rule: best of {len(seeds)} seeds {among} (seed {b['seed']}; selects on the test "
                 "lengths, as the paper does)",
-                [column_value({"eval": over_seeds([b["eval"]]), "train_max_length": top}, sel, metric)
-                 for _, sel, metric in exp.columns])
+                [column_value([b["eval"]], top, sel, metric) for _, sel, metric in exp.columns])
     if rule == "top3":
         cells = []
         for _, sel, metric in exp.columns:
@@ -796,8 +797,7 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
             ["-" for _ in exp.columns]
     label = (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi} "
              "(the earliest of equals), mean (min-max) over seeds")
-    return label, [column_value({"eval": over_seeds(chosen), "train_max_length": top}, sel, metric)
-                   for _, sel, metric in exp.columns]
+    return label, [column_value(chosen, top, sel, metric) for _, sel, metric in exp.columns]
 
 
 def column_numbers(summary: dict, selector, metric: str):
@@ -832,9 +832,19 @@ def examples_note(points: list[dict]) -> str:
     return f", {sum(ns)} examples, {min(ns)}-{max(ns)} per length"
 
 
-def column_value(summary: dict, selector, metric: str) -> str:
-    """Mean over seeds (min-max) of one column, as text."""
-    nums = column_numbers(summary, selector, metric)
+def seed_spread(evals: list[list[dict]], top: int, selector, metric: str):
+    """(mean, lowest, highest) over seeds of one column, from each seed's rows (its evaluation points): each
+    seed's value over the column's points first, so the range is the seeds' own lowest and highest value (the
+    per-point lowest and highest, averaged over a range of lengths, would be wider than any seed); or None."""
+    values = [one_seed(rows, {"train_max_length": top}, selector, metric) for rows in evals]
+    if not values or None in values:
+        return None
+    return float(np.mean(values)), min(values), max(values)
+
+
+def column_value(evals: list[list[dict]], top: int, selector, metric: str) -> str:
+    """Mean over seeds (min-max) of one column, as text (seed_spread)."""
+    nums = seed_spread(evals, top, selector, metric)
     if nums is None:
         return "-"
     return f"{nums[0]:.2f} ({nums[1]:.2f}-{nums[2]:.2f})" if metric == "error" else \
@@ -852,7 +862,8 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
     lines: dict[str, list] = {}
     for run in exp.runs:
         path = out / run["task"] / f"{run['method']}-{run['tag']}" / "metrics.json"
-        nums = column_numbers(json.loads(path.read_text()), selector, metric) if path.exists() else None
+        runs = seed_metrics(path.parent, json.loads(path.read_text())["seeds"]) if path.exists() else []
+        nums = seed_spread([m["eval"] for m in runs], runs[0]["train_max_length"], selector, metric) if runs else None
         if nums is not None:
             lines.setdefault(run["method"], []).append((int("".join(filter(str.isdigit, run["tag"]))), *nums))
     if not lines:

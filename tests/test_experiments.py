@@ -224,6 +224,18 @@ def test_best_seed_says_when_no_seed_fits(tmp_path):
     assert "> 0.85" not in row
 
 
+def test_a_columns_range_is_the_seeds_own_lowest_and_highest_value():
+    """Two seeds, each right at one of two lengths beyond the training length and wrong at the other: each
+    seed's value beyond is 0.5, so the column reads 0.500 (0.50-0.50); each length's lowest and highest seed,
+    averaged over the lengths, would read (0.00-1.00), a spread no seed has."""
+    def rows(a, b):
+        return [{"name": str(L), "length": L, "variant": None, "n": 10, "exact": e, "token": e}
+                for L, e in ((11, a), (12, b))]
+    assert experiments.column_value([rows(1.0, 0.0), rows(0.0, 1.0)], 10, "beyond", "exact") == "0.500 (0.50-0.50)"
+    assert experiments.column_value([rows(1.0, 1.0), rows(0.0, 0.5)], 10, "beyond", "exact") == "0.625 (0.25-1.00)"
+    assert experiments.column_value([rows(1.0, 1.0)], 12, "beyond", "exact") == "-"      # no point beyond 12
+
+
 def test_a_column_counts_each_length_by_its_examples():
     """SCAN's lengths have as many examples as commands: a range's value is over examples."""
     points = [{"name": str(L), "length": L, "variant": None, "n": n, "exact": e, "exact_min": e, "exact_max": e}

@@ -466,7 +466,8 @@ def test_flipflop_table_gives_error_percent_with_min_and_max_in_place():
          "token_max": 0.95, "exact": 0.5, "exact_min": 0.4, "exact_max": 0.6}]}
     mean, lo, hi = experiments.column_numbers(summary, "sparse", "error")
     assert (round(mean, 6), round(lo, 6), round(hi, 6)) == (10.0, 5.0, 20.0)
-    assert experiments.column_value(summary, "sparse", "error") == "10.00 (5.00-20.00)"
+    seeds = [[{**summary["eval"][0], "token": t}] for t in (0.95, 0.8, 0.95)]     # each seed's rows
+    assert experiments.column_value(seeds, 256, "sparse", "error") == "10.00 (5.00-20.00)"
 
 
 def test_evaluate_against_a_hand_count():

@@ -144,7 +144,8 @@ def best_seed(seeds: list[dict]) -> dict:
 def top_k_checkpoints(m: dict, selector, metric: str, k: int = 3) -> float | None:
     """PRISM's rule: the mean of the k best values of one column over the evaluations during
     training. It selects on the test set, as the paper does."""
-    values = [v for h in m.get("history", []) if (v := one_seed(h["eval"], m, selector, metric)) is not None]
+    top = m["train_max_length"]
+    values = [v for h in m.get("history", []) if (v := one_seed(h["eval"], top, selector, metric)) is not None]
     return float(np.mean(sorted(values)[-k:])) if values else None
 
 
@@ -153,13 +154,15 @@ def best_held_out(m: dict, selector) -> dict | None:
     (other sequences than the test set's, --held-out-lengths) in the lengths of `selector`, the earliest of
     equals (the paper gives no tie-break; a run that holds them all often scores 1.000 at many); returns
     its test rows."""
-    scored = [(one_seed(h["held_out"], m, selector, "exact"), h) for h in m.get("history", []) if "held_out" in h]
+    top = m["train_max_length"]
+    scored = [(one_seed(h["held_out"], top, selector, "exact"), h) for h in m.get("history", []) if "held_out" in h]
     scored = [(v, h) for v, h in scored if v is not None]
     return max(scored, key=lambda vh: vh[0])[1]["eval"] if scored else None
 
 
-def one_seed(rows: list[dict], m: dict, selector, metric: str) -> float | None:
-    nums = column_numbers({"eval": over_seeds([rows]), "train_max_length": m["train_max_length"]}, selector, metric)
+def one_seed(rows: list[dict], top: int, selector, metric: str) -> float | None:
+    """One seed's value of a column from its rows; `top`: its longest training length."""
+    nums = column_numbers({"eval": over_seeds([rows]), "train_max_length": top}, selector, metric)
     return None if nums is None else nums[0]
 
 
@@ -674,7 +677,7 @@ def seed_values(out: Path, run: str, selector, metric: str, only: list[int] | No
     """One column's value for each seed of a run ("task/label"), from out/task/label/seed*/metrics.json
     (the seeds in `only` alone, if given)."""
     return {m["seed"]: v for m in seed_metrics(out / run, only)
-            if (v := one_seed(m["eval"], m, selector, metric)) is not None}
+            if (v := one_seed(m["eval"], m["train_max_length"], selector, metric)) is not None}
 
 
 def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
@@ -758,10 +761,9 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
             lines.append(f"| {run['task']}/{label} | this repo, {rule} | "
                          + " | ".join(cells) + f" | {len(s['seeds'])} | | |")
         if exp.select:
-            seeds = seed_metrics(path.parent, exp.seeds)
-            source, cells = paper_rule(exp, seeds)
+            source, cells = paper_rule(exp, runs)
             lines.append(f"| {run['task']}/{label} | this repo, {source} | " + " | ".join(cells)
-                         + f" | {len(seeds)} | | |")
+                         + f" | {len(runs)} | | |")
     if not exp.checks:
         return "\n".join(lines)
     word, checks = verdict(exp, out)
@@ -836,7 +838,7 @@ def seed_spread(evals: list[list[dict]], top: int, selector, metric: str):
     """(mean, lowest, highest) over seeds of one column, from each seed's rows (its evaluation points): each
     seed's value over the column's points first, so the range is the seeds' own lowest and highest value (the
     per-point lowest and highest, averaged over a range of lengths, would be wider than any seed); or None."""
-    values = [one_seed(rows, {"train_max_length": top}, selector, metric) for rows in evals]
+    values = [one_seed(rows, top, selector, metric) for rows in evals]
     if not values or None in values:
         return None
     return float(np.mean(values)), min(values), max(values)

@@ -445,10 +445,10 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "measured (compiled, --tf32, each run alone on an H200, commit 36164d5, "
                   "docs/results/jobs-h200-prism-more-9k): 4.7-5.8 minutes from its command's start to its end "
                   "(training 33.2-36.7 steps/s with its evaluations, final evaluation 12.5-14.7 s); on an H100 not "
-                  "run. Reverse 9k as they, not yet run, estimated to take no longer (one position stream where "
-                  "they have two; not timed at this size since the one-warp scan): not compiled, 15.7 steps/s "
-                  "(commit 6aef7cf; prism-add's 17.5 then, 33.6 compiled), stack's compiled 20.5 "
-                  "(docs/perf/training.md, \"The full budget's runs alone\")")
+                  "run. Reverse 9k as they, measured (compiled, --tf32, each run alone on a GPU of a host of two "
+                  "H200s, commit 44f938d, docs/results/jobs-h200-prism-more-reverse-lr): 3.7-4.8 minutes from its "
+                  "command's start to its end (training 42.1-49.5 steps/s with its evaluations, final evaluation "
+                  "3.1-3.7 s); tested to 100, the task's test lengths, where the paper tests it to 150 (its Fig. 20)")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %); not run: compiled, on one H200 (commit 2daeea8), it trains at "
                       "4.5 steps/s with 42 GiB and its first evaluation of 1,000 examples at each length had not "
                       "ended when a 300 s limit stopped the profile (docs/perf/training.md, \"The full budget's runs "
@@ -600,7 +600,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={},
         scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, "
                "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at "
-               "least as many bins as positions, and the copy branch for reverse (trained to 40), dynamic string "
+               "least as many bins as positions, and the copy branch for reverse (trained to 40; tested to 100, the "
+               "task's lengths, the paper: to 150), dynamic string "
                "copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "

@@ -27,6 +27,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -388,6 +389,70 @@ def stop_signals():
 EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
              "out"}
 RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
+
+
+# A run's setup on the command line: each field's flag is its name with dashes, apart from these three.
+SETUP_KEYS = [k for k in RUN_KEYS if k != "model"] + [f.name for f in dataclasses.fields(ModelConfig)
+                                                      if f.name != "method"]
+FLAG_OF = {"seed": "--seeds", "task_opts": "--task-opt", "opts": "--method-opt"}
+
+
+def flag_of(key: str) -> str:
+    return FLAG_OF.get(key, "--" + key.replace("_", "-"))
+
+
+def setup_flags_given(args) -> list[str]:
+    """The flags on the command line that set what a run computes (the seed apart)."""
+    keys = [k for k in SETUP_KEYS if k != "seed"] + ["methods"]
+    return [flag_of(k) for k in keys if vars(args).get(flag_of(k)[2:].replace("-", "_")) not in (None, False, "", [])]
+
+
+def command_of(cfg: TrainConfig, extra: tuple[str, ...] = ()) -> str:
+    """The train.py command that trains the run `cfg` as it is: its task, method and preset, then each setting
+    that differs from the preset's; `extra`: options of how it runs (--compile, --out ...)."""
+    base = make_config({"task": cfg.task, "method": cfg.method}, cfg.preset)
+    known = build_parser()._option_string_actions
+    words = ["python", "train.py", "--task", cfg.task, "--method", cfg.method, "--preset", cfg.preset]
+    for key in SETUP_KEYS:
+        value, default = ((getattr(cfg, key), getattr(base, key)) if hasattr(cfg, key)
+                          else (getattr(cfg.model, key), getattr(base.model, key)))
+        flag = flag_of(key)
+        if key in ("task", "method") or value == default:
+            continue
+        if flag not in known or value is False:
+            raise UsageError(f"{cfg.run_dir()}: {key}={value!r} has no command-line option")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                words += [flag, f"{k}={opt_text(v)}"]
+        elif isinstance(value, list):
+            words += [flag, ranges(value)]
+        else:
+            words += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return " ".join(shlex.quote(w) for w in words + list(extra))
+
+
+def opt_text(value) -> str:
+    """A --method-opt / --task-opt value as parse_opts reads it back: JSON, a plain string as it is."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)          # a string that reads as JSON ("1", "true") keeps its quotes
+        except json.JSONDecodeError:
+            return value
+    return json.dumps(value, separators=(",", ":"))
+
+
+def ranges(values: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3,5', as parse_list reads it back."""
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(f"{values[i]}-{values[j]}" if j > i else str(values[i]))
+        i = j + 1
+    return ",".join(parts)
 
 
 def other_setup(cfgs: list[TrainConfig], like, present: set) -> dict:
@@ -812,6 +877,7 @@ def epilog() -> str:
              "  python train.py --method rope --task copy --steps 5000 --tag long --resume   after Ctrl-C",
              "  python train.py --reproduce path-flipflop                     a paper's headline experiment",
              "  python train.py --reproduce vipe-parity --budget full --shard 0/4   the paper's setup, a quarter",
+             "  python train.py --reproduce prism-more --budget full --runs 3 --commands   run 3's command, to change",
              "  python train.py --help-method prism                           a method's --method-opt options",
              "", "experiments (--reproduce NAME, or all):",
              *textwrap.wrap(", ".join(experiments.EXPERIMENTS), 96, initial_indent="  ", subsequent_indent="  "),
@@ -843,6 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
     g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
                    "(the numbers --plan prints)")
+    g.add_argument("--commands", action="store_true", help="with --reproduce: print the train.py command of each "
+                   "of its runs (those of --runs or --shard), to run or change by hand (an ablation: another value "
+                   "and a --tag of its own), then stop")
     g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, build its tables and "
                    "figures from the runs present (each over its seeds present; the plan lists the missing ones)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
@@ -974,15 +1043,20 @@ def run_cli(args) -> int:
     if args.help_method or args.help_task:
         print(describe(args))
         return 0
-    device = resolve_device(args.device, present=not (args.reproduce and args.plan))
+    device = resolve_device(args.device, present=not (args.reproduce and (args.plan or args.commands)))
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
     given = [flag for flag, value in (("--shard", args.shard), ("--runs", args.runs), ("--budget", args.budget),
                                       ("--plan", args.plan), ("--labels", args.labels),
-                                      ("--partial", args.partial)) if value]
+                                      ("--partial", args.partial), ("--commands", args.commands)) if value]
     if given:
         raise UsageError(f"{given[0]} applies with --reproduce NAME only")
+    return run_commandline_runs(args, configs_of(args, device, preset_name), preset_name)
+
+
+def configs_of(args, device: str, preset_name: str) -> list[TrainConfig]:
+    """The runs of a command without --reproduce: one per method and seed."""
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -1006,9 +1080,13 @@ def run_cli(args) -> int:
                   eval_from_loss=args.eval_from_loss, n_eval_during=args.n_eval_during,
                   held_out_lengths=parse_list(args.held_out_lengths, int, "--held-out-lengths"),
                   opts=parse_opts(args.method_opt, "--method-opt") or None)
-    cfgs = [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
+    return [make_config({**values, **speed(args, device, len(methods) * len(seeds)), "method": m, "seed": s},
                         preset_name) for m in methods for s in seeds]
-    for cfg in cfgs:   # every run is checked before the first one starts
+
+
+def run_commandline_runs(args, cfgs: list[TrainConfig], preset_name: str) -> int:
+    """Train the runs of a command without --reproduce, each checked before the first one starts."""
+    for cfg in cfgs:
         validate(cfg)
         if args.resume:
             check_resume(cfg)
@@ -1065,6 +1143,11 @@ def write_summaries(cfgs, own_seeds: bool = False):
 def reproduce(args, device: str, preset_name: str) -> int:
     """--reproduce NAME | all: train the runs not present yet, then the tables and figures of each experiment."""
     budget = args.budget or "quick"
+    setup = setup_flags_given(args)
+    if setup:
+        raise UsageError(f"{setup[0]} sets what a run computes, and --reproduce trains each run as its experiment "
+                         "sets it: drop it (to train one of its runs with another value: --commands prints each "
+                         "run's train.py command, to change and run with a --tag of its own)")
     if args.reproduce != "all" and args.reproduce not in experiments.EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.reproduce!r}; available: {', '.join(experiments.EXPERIMENTS)}, all")
     defined = [name for name, exp in experiments.EXPERIMENTS.items() if budget == "quick" or exp.full]
@@ -1076,9 +1159,11 @@ def reproduce(args, device: str, preset_name: str) -> int:
                                               args.seeds), name, args.labels)
                    for name in names}
     suffix = "" if budget == "quick" else f"-{budget}"
-    if args.partial and (args.shard or args.runs or args.force or args.plan):
-        raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force "
-                         "and --plan")
+    if args.partial and (args.shard or args.runs or args.force or args.plan or args.commands):
+        raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force, "
+                         "--plan and --commands")
+    if args.commands and args.plan:
+        raise UsageError("--plan and --commands each print the runs and stop: give one of them")
     shard, n_shards = parse_shard(args.shard)
     n_runs = sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values())
     picked = parse_runs(args.runs, n_runs, args.shard)
@@ -1086,7 +1171,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
     for cfgs in plans.values():
         for cfg in cfgs:
-            validate(cfg, planning=args.plan)
+            validate(cfg, planning=args.plan or args.commands)
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
     out = Path(args.out)
@@ -1100,6 +1185,14 @@ def reproduce(args, device: str, preset_name: str) -> int:
                       else (f", --runs {args.runs}: {len(mine)} of them", "not picked") if args.runs
                       else (f", {len(present)} present (--partial trains nothing)", "missing") if args.partial
                       else ("", "not picked"))
+    if args.commands:
+        extra = tuple(w for flag, on in (("--compile", args.compile), ("--tf32", args.tf32)) if on for w in [flag]) \
+            + tuple(w for flag, value, default in (("--device", args.device, "auto"), ("--out", args.out, "runs"))
+                    if value != default for w in (flag, value))
+        for k, cfg in enumerate(everything):
+            if id(cfg) in mine:
+                print(f"# run {k}: {cfg.run_dir()}\n{command_of(cfg, extra)}")
+        return 0
     presets = {preset_name: everything}                  # the run list under each preset a present run was made with
 
     def like(k, name):

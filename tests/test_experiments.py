@@ -257,6 +257,51 @@ def present(out):
     return sorted(str(p.parent.relative_to(out)) for p in out.glob("copy/*/seed*/metrics.json"))
 
 
+def test_every_experiment_runs_command_makes_the_same_run():
+    """--commands: each run of every experiment, at both budgets and under both presets, written as a train.py
+    command and read back by the command line, is the same run (every field of what it computes)."""
+    import shlex
+    parser, n = cli.build_parser(), 0
+    for name, exp in experiments.EXPERIMENTS.items():
+        for budget in ("quick", "full") if exp.full else ("quick",):
+            for preset in ("gpu", "cpu"):
+                for cfg in cli.experiment_configs(experiments.at_budget(exp, budget), "cpu", "runs", preset):
+                    words = shlex.split(cli.command_of(cfg))
+                    assert words[:2] == ["python", "train.py"]
+                    read = parser.parse_args(words[2:])
+                    again, = cli.configs_of(read, "cpu", read.preset)
+                    assert {k: getattr(again, k) for k in cli.RUN_KEYS} == {k: getattr(cfg, k) for k in cli.RUN_KEYS}, \
+                        (name, budget, preset, cfg.run_dir())
+                    n += 1
+    assert n > 200
+
+
+def test_a_runs_command_trains_the_run_its_experiment_would(capsys, tmp_path, monkeypatch):
+    """--commands prints each picked run's command and trains nothing; that command run by hand makes a run
+    that --reproduce then counts as present (not as one with other options). A flag that sets what a run
+    computes (--lr) is refused with --reproduce, in one line that points to --commands, and writes nothing."""
+    import shlex
+    out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], runs=[{**r, "lr": 3e-3, "train_lengths": [1, 2, 4]}
+                                                for r in experiments.EXPERIMENTS["tiny"].runs]))
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, _, err = run_cli(capsys, *args, "--lr", "1e-3")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--commands" in err and not out.exists()
+    code, _, err = run_cli(capsys, "--task", "copy", "--method", "rope", "--commands")
+    assert code == 2 and "--reproduce" in err
+    code, stdout, _ = run_cli(capsys, *args, "--runs", "3", "--commands")
+    lines = stdout.strip().splitlines()
+    assert code == 0 and not out.exists() and lines[-2] == f"# run 3: {out}/copy/rope/seed1", stdout
+    words = shlex.split(lines[-1])
+    assert words[:2] == ["python", "train.py"] and "--lr" in words
+    assert words[words.index("--train-lengths") + 1] == "1-2,4"
+    code, _, _ = run_cli(capsys, *words[2:])
+    assert code == 0 and present(out) == ["copy/rope/seed1"]
+    code, stdout, _ = run_cli(capsys, *args, "--plan")
+    assert code == 0 and "3 present" in stdout and "other setup" not in stdout and "3 to train" in stdout
+
+
 def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp_path, monkeypatch):
     """--shard 0/2 trains runs 0 and 2 of the fixed list and writes no table; --shard 1/2 trains runs 1
     and 3, whose sibling seed gives a measured time, and writes the table; a plain --reproduce then

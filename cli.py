@@ -407,7 +407,7 @@ def setup_flags_given(args) -> list[str]:
     return [flag_of(k) for k in keys if vars(args).get(flag_of(k)[2:].replace("-", "_")) not in (None, False, "", [])]
 
 
-def command_of(cfg: TrainConfig, extra: tuple[str, ...] = ()) -> str:
+def command_of(cfg: TrainConfig, extra: list[str] | None = None) -> str:
     """The train.py command that trains the run `cfg` as it is: its task, method and preset, then each setting
     that differs from the preset's; `extra`: options of how it runs (--compile, --out ...)."""
     base = make_config({"task": cfg.task, "method": cfg.method}, cfg.preset)
@@ -430,7 +430,7 @@ def command_of(cfg: TrainConfig, extra: tuple[str, ...] = ()) -> str:
             words += [flag, ranges(value)]
         else:
             words += [flag, repr(value) if isinstance(value, float) else str(value)]
-    return " ".join(shlex.quote(w) for w in words + list(extra))
+    return " ".join(shlex.quote(w) for w in words + (extra or []))
 
 
 def opt_text(value) -> str:
@@ -1186,9 +1186,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
                       else (f", {len(present)} present (--partial trains nothing)", "missing") if args.partial
                       else ("", "not picked"))
     if args.commands:
-        extra = tuple(w for flag, on in (("--compile", args.compile), ("--tf32", args.tf32)) if on for w in [flag]) \
-            + tuple(w for flag, value, default in (("--device", args.device, "auto"), ("--out", args.out, "runs"))
-                    if value != default for w in (flag, value))
+        extra = [flag for flag, on in (("--compile", args.compile), ("--tf32", args.tf32)) if on]
+        extra += [word for flag, value, default in (("--device", args.device, "auto"), ("--out", args.out, "runs"))
+                  if value != default for word in (flag, value)]
         for k, cfg in enumerate(everything):
             if id(cfg) in mine:
                 print(f"# run {k}: {cfg.run_dir()}\n{command_of(cfg, extra)}")

@@ -137,7 +137,7 @@ def git_hash() -> str:
 
 
 CKPT = "checkpoint.pt"
-JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01, at one curriculum length: a jump (keep 3 a run)
+JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01, at one curriculum length: a jump (the last 3 kept)
 
 
 class NaNLoss(Exception):
@@ -333,9 +333,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         now = (step - mark[0], time.time() - mark[1], waited - mark[2]) if step > mark[0] else (0, 0.0, 0.0)
         return [a + b for a, b in zip(timed, now)]
     pending = []  # losses still on the device: reading each one would stall the GPU every step
-    # jumps: the last step below JUMP[0] (0: none), is the loss in a jump now (not back below since), the jumps kept
+    # jumps: the last step below JUMP[0] (0: none), is the loss in a jump now (not back below since)
     jump = {"low": max([s for s, v in losses if v < JUMP[0]], default=0)}
-    jump.update(up=jump["low"] > 0 and losses[-1][1] >= JUMP[0], kept=len([*cfg.run_dir().glob("before-jump-*.pt")]))
+    jump["up"] = jump["low"] > 0 and losses[-1][1] >= JUMP[0]
 
     def top(at: int) -> int:    # the curriculum's longest length at step `at` (batch at - 1; 0 without a curriculum)
         return max(curriculum_lengths(at - 1, cfg.steps, train_lengths, cfg.curriculum_steps)) if cfg.curriculum else 0
@@ -343,11 +343,12 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     def keep_before_jump(at: int):
         """The last checkpoint, from before the jump at step `at`, as before-jump-<at>.pt (docs/perf/vipe.md)."""
         jump["up"] = True
-        if jump["kept"] < JUMP[2] and (cfg.run_dir() / CKPT).exists():
-            jump["kept"] += 1
+        if (cfg.run_dir() / CKPT).exists():
             shutil.copyfile(cfg.run_dir() / CKPT, cfg.run_dir() / f"before-jump-{at}.pt")
+            kept = sorted(cfg.run_dir().glob("before-jump-*.pt"), key=lambda path: int(path.stem[len("before-jump-"):]))
+            gone = [path.unlink() or path.name for path in kept[:-JUMP[2]]]   # a late jump is the one to replay
             log(f"  loss {losses[-1][1]:.3g} at step {at} after it had been below {JUMP[0]}: kept the checkpoint "
-                f"before it as before-jump-{at}.pt")
+                f"before it as before-jump-{at}.pt" + (f" (removed the earliest, {', '.join(gone)})" if gone else ""))
 
     def flush():
         """Move pending losses to the host; stop at the first non-finite one."""

@@ -436,7 +436,7 @@ def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, mo
     """Losses scripted per step: high (not a jump: the run has not been near zero yet), below 0.01,
     a jump at step 7, back, a second jump at 9 lasting two steps. Each jump keeps the checkpoint on
     disk when it came (step 5's) once, and says so. A resumed run still knows whether it is in a jump
-    and whether it has been near zero."""
+    and whether it has been near zero. Of four jumps the last three stay."""
     script = script_losses(monkeypatch, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1e-3, 5: 1e-3, 6: 1e-3, 7: 0.5, 8: 1e-3, 9: 0.3,
                                          10: 0.2})
     lines = []
@@ -456,6 +456,14 @@ def test_a_jump_after_zero_loss_keeps_the_checkpoint_from_before_it(tmp_path, mo
     train.train(cfg, resume=True, log=lines.append)
     assert (cfg.run_dir() / "before-jump-13.pt").exists()
     assert torch.load(cfg.run_dir() / "before-jump-13.pt", weights_only=False)["step"] == 11
+    script[14], script[15] = 1e-3, 0.3                        # a fourth jump: the earliest of them goes
+    cfg = tiny_config(tmp_path, steps=15)
+    train.train(cfg, resume=True, log=lines.append)
+    kept = sorted(p.name for p in cfg.run_dir().glob("before-jump-*.pt"))
+    assert kept == ["before-jump-13.pt", "before-jump-15.pt", "before-jump-9.pt"]
+    assert [x.strip() for x in lines if "before-jump-15" in x] == [
+        "loss 0.3 at step 15 after it had been below 0.01: kept the checkpoint before it as before-jump-15.pt "
+        "(removed the earliest, before-jump-7.pt)"]
 
 
 def test_a_rise_where_the_curriculum_grows_the_lengths_is_no_jump(tmp_path, monkeypatch):

@@ -984,6 +984,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # the reader of the output stopped (| head): nothing of the command's failed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:   # a folder that cannot be written, a full disk: save_atomic left no half file
         print(f"error: cannot write the results: {e}", file=sys.stderr)
         return 2
@@ -1145,7 +1148,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     budget = args.budget or "quick"
     setup = setup_flags_given(args)
     if setup:
-        raise UsageError(f"{setup[0]} sets what a run computes, and --reproduce trains each run as its experiment "
+        raise UsageError(f"{setup[0]} is part of a run's setup, and --reproduce trains each run as its experiment "
                          "sets it: drop it (to train one of its runs with another value: --commands prints each "
                          "run's train.py command, to change and run with a --tag of its own)")
     if args.reproduce != "all" and args.reproduce not in experiments.EXPERIMENTS:

@@ -302,6 +302,22 @@ def test_a_runs_command_trains_the_run_its_experiment_would(capsys, tmp_path, mo
     assert code == 0 and "3 present" in stdout and "other setup" not in stdout and "3 to train" in stdout
 
 
+def test_output_cut_short_by_its_reader_is_no_error():
+    """`train.py --reproduce all --commands | head -1`: once the reader has gone, the command stops quietly
+    (status 0, nothing on stderr), not with "cannot write the results"."""
+    import subprocess
+    driver = ("import sys, cli\n"
+              "class Gone:\n"
+              "    def write(self, text): raise BrokenPipeError(32, 'Broken pipe')\n"
+              "    def flush(self): pass\n"
+              "    def fileno(self): return 1\n"
+              "sys.stdout = Gone()\n"
+              "sys.exit(cli.main(['--reproduce', 'all', '--commands', '--device', 'cuda']))\n")
+    done = subprocess.run([sys.executable, "-c", driver], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp_path, monkeypatch):
     """--shard 0/2 trains runs 0 and 2 of the fixed list and writes no table; --shard 1/2 trains runs 1
     and 3, whose sibling seed gives a measured time, and writes the table; a plain --reproduce then

@@ -383,9 +383,10 @@ PRISM_FIT_STEPS = {"copy": 45_000, "add_cot": 18_000}
 PRISM_OPTS = {"prism_cursors": 4, "prism_dim": 340, **COUNT}
 
 
-def paper_test_set(task: str, total: int = 1000) -> int:
-    """Examples per test length that make the paper's test set of `total` over the task's test lengths."""
-    return -(-total // len(TASKS[task].test_lengths))
+def paper_test_set(task: str, test_lengths: list[int] | None = None, total: int = 1000) -> int:
+    """Examples per test length that make the paper's test set of `total` over the test lengths
+    (the task's own unless given)."""
+    return -(-total // len(test_lengths or TASKS[task].test_lengths))
 
 
 # Its baseline: 5 layers, 8 heads, width 512, tied embeddings, randomly shifted sinusoidal APE.
@@ -425,7 +426,7 @@ def _prism_vs_ape_full(task: str) -> dict:
 # examples per length in the final evaluation (their 150 test lengths at 1,000 each took 3 minutes); mul_cot stays
 # at 40k, not run (PRISM_MORE_NOT_RUN).
 PRISM_MORE_STEPS = 40_000
-PRISM_MORE_SCALED = {"reverse": 9_000, "stack": 9_000, "odds_first": 9_000}
+PRISM_MORE_SCALED = {"reverse": 12_000, "stack": 12_000, "odds_first": 12_000}
 PRISM_MORE_FIT_STEPS = {"dyn_str_cpy": 40_000, "scan_cot": 12_000, **PRISM_MORE_SCALED}
 PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k steps (27 % and 8 %). Dynamic copy's 40k "
                   "were estimated from copy's runs to take about 8 minutes (its step as fast: 109.2 against 124.1 "
@@ -436,19 +437,15 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "47.5 s), 8.5 on an H200 (510 s). "
                   "SCAN's 12k: compiled, alone on one H100 (commit e0d6633), 26.2 steps/s at 22 actions and 4.4 s "
                   "an evaluation of its whole test split, at most 8.6 minutes (docs/perf/step_profile.py; "
-                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps. Stack and "
-                  "odds_first 9k (6 %), their curriculum scaled to them (40 from step 3.6k; the paper's schedule "
-                  "reaches 40 at 30k), 100 examples at each test length in the final evaluation: estimated from "
-                  "stack's step with the one-warp scan and --tf32, 30.3 steps/s at length 40 compiled on an H200 "
-                  "(commit e284a40, docs/results/full-budget-speed p36; odds_first's step timed as stack's before "
-                  "them, 20.5 steps/s both), so about 8 minutes on an H100 with their compilations and evaluations; "
-                  "measured (compiled, --tf32, each run alone on an H200, commit 36164d5, "
-                  "docs/results/jobs-h200-prism-more-9k): 4.7-5.8 minutes from its command's start to its end "
-                  "(training 33.2-36.7 steps/s with its evaluations, final evaluation 12.5-14.7 s); on an H100 not "
-                  "run. Reverse 9k as they, measured (compiled, --tf32, each run alone on a GPU of a host of two "
-                  "H200s, commit 44f938d, docs/results/jobs-h200-prism-more-reverse-lr): 3.7-4.8 minutes from its "
-                  "command's start to its end (training 42.1-49.5 steps/s with its evaluations, final evaluation "
-                  "3.1-3.7 s); tested to 100, the task's test lengths, where the paper tests it to 150 (its Fig. 20)")
+                  "docs/results/prism-more-full); dyn_str_cpy's curriculum reaches 10 at 5k steps. Reverse, stack and "
+                  "odds_first 12k (8 %), their curriculum scaled to them (40 from step 4.8k; the paper's schedule "
+                  "reaches 40 at 30k), 100 examples at each test length in the final evaluation, all three tested "
+                  "to 150: estimated from their 9k runs (compiled, --tf32, each run alone on an H200; stack and "
+                  "odds_first: commit 36164d5, docs/results/jobs-h200-prism-more-9k, 4.7-5.8 minutes from its "
+                  "command's start to its end, training 33.2-36.7 steps/s with its evaluations; reverse, tested to "
+                  "100: commit 44f938d, docs/results/jobs-h200-prism-more-reverse-lr, 3.7-4.8 minutes, 42.1-49.5 "
+                  "steps/s), so at most 6.7 minutes on an H200 and, as dynamic copy's H100 run took 1.06 times its "
+                  "H200 run, about 7.1 on an H100; their 9k runs: docs/results/prism-more-9k")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %); not run: compiled, on one H200 (commit 2daeea8), it trains at "
                       "4.5 steps/s with 42 GiB and its first evaluation of 1,000 examples at each length had not "
                       "ended when a 300 s limit stopped the profile (docs/perf/training.md, \"The full budget's runs "
@@ -456,7 +453,8 @@ PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %); not run: compiled, on one H
 
 
 _PRISM_MORE = [dict(task="reverse", method="prism", curriculum=True, n_layers=5, train_lengths=list(range(1, 41)),
-                    steps=2000, n_eval=128, opts={"prism_bins": 512, "prism_copy": True, **COUNT}),
+                    test_lengths=list(range(1, 151)), steps=2000, n_eval=128,
+                    opts={"prism_bins": 512, "prism_copy": True, **COUNT}),
                dict(task="odds_first", method="prism", curriculum=True, n_layers=5,
                     opts={"prism_blocks": [0, 3], "prism_bins": 512, **COUNT}),
                dict(task="stack", method="prism", curriculum=True, n_layers=5,
@@ -475,9 +473,10 @@ def _prism_more_full(run: dict) -> dict:
     if run["task"] in PRISM_MORE_SCALED:               # the curriculum scaled to the steps, as in the quick runs
         full.update(curriculum_steps=0, n_eval=100)
     if run["task"] != "scan_cot":                      # SCAN evaluates its whole test split, whatever n
-        full["n_eval_during"] = paper_test_set(run["task"])
-    if "train_lengths" in run:
-        full["train_lengths"] = run["train_lengths"]
+        full["n_eval_during"] = paper_test_set(run["task"], run.get("test_lengths"))
+    for lengths in ("train_lengths", "test_lengths"):
+        if lengths in run:
+            full[lengths] = run[lengths]
     if not run.get("curriculum"):                     # SCAN: no curriculum, as in the quick run
         full.update(curriculum=False, curriculum_steps=0)
     return full

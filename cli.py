@@ -537,12 +537,13 @@ def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False,
     ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
     stop = ctx.Event()                                           # set: queued runs do not start
     on_cpu = all(device_of(cfg.device) == "cpu" for cfg in cfgs)
-    setup = dict(initializer=start_job, initargs=(gpus if len(gpus) > 1 else [], ctx.Value("i", 0), stop))
     shared = mps and gpus and min(jobs, len(cfgs)) > len(gpus)   # some GPU runs several jobs
+    sharing = mps_daemon(Path(cfgs[0].out) / ".mps", gpus) if shared else \
+        passive_threads() if on_cpu else contextlib.nullcontext()
     stopped = []
-    with stop_signals() as flag, mps_daemon(Path(cfgs[0].out) / ".mps") if shared else \
-            passive_threads() if on_cpu else contextlib.nullcontext(), \
-            ProcessPoolExecutor(jobs, mp_context=ctx, **setup) as pool:
+    with stop_signals() as flag, sharing as renamed, \
+            ProcessPoolExecutor(jobs, mp_context=ctx, initializer=start_job,
+                                initargs=((renamed or gpus) if len(gpus) > 1 else [], ctx.Value("i", 0), stop)) as pool:
         futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
         pending, passed_on, ended, finished = set(futures), False, 0, 0
         while pending:
@@ -669,14 +670,17 @@ MPS_COST = ("the runs sharing a GPU take turns on it instead (measured on an H10
 
 
 @contextlib.contextmanager
-def mps_daemon(folder: Path, log=print):
+def mps_daemon(folder: Path, gpus: list[str], log=print):
     """CUDA MPS for the duration of the block, so that the kernels of the processes sharing a GPU run
-    side by side instead of taking turns. Starts `nvidia-cuda-mps-control -f` with its pipe and log
-    folders under `folder` (the pipe in /tmp when that path is too long for a socket), points the
-    processes started in the block at it through CUDA_MPS_PIPE_DIRECTORY, and on leaving, however the
-    block ends (Ctrl-C too), asks it to quit and ends it: nothing is left running. A daemon the user
-    runs already (CUDA_MPS_PIPE_DIRECTORY set) is used as it is. Where none can start, one line
-    says why and what that costs, and the block runs without."""
+    side by side instead of taking turns. Starts `nvidia-cuda-mps-control -f` on `gpus` (this process's
+    CUDA_VISIBLE_DEVICES) with its pipe and log folders under `folder` (the pipe in /tmp when that path
+    is too long for a socket), points the processes started in the block at it through
+    CUDA_MPS_PIPE_DIRECTORY, and on leaving, however the block ends (Ctrl-C too), asks it to quit and
+    ends it: nothing is left running. Its clients see the daemon's GPUs numbered from 0 (GPUs "2,3"
+    are "0,1" to them), so the block's CUDA_VISIBLE_DEVICES is that numbering and the block receives
+    the GPU names for the processes it starts. A daemon the user runs already
+    (CUDA_MPS_PIPE_DIRECTORY set) is used as it is. Where none can start, one line says why and what
+    that costs, and the block runs without (receiving None: the names are unchanged)."""
     if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         log(f"MPS: using the daemon at CUDA_MPS_PIPE_DIRECTORY={os.environ['CUDA_MPS_PIPE_DIRECTORY']}")
         yield
@@ -706,12 +710,18 @@ def mps_daemon(folder: Path, log=print):
         yield
         return
     log(f"MPS: daemon started for these runs (logs in {logs})")
-    os.environ.update(env)                            # the processes started in the block inherit it
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    renamed = [str(i) for i in range(len(gpus))]
+    os.environ.update(env, CUDA_VISIBLE_DEVICES=",".join(renamed))   # the processes started in the block inherit it
     try:
-        yield
+        yield renamed
     finally:
         for key in env:
             os.environ.pop(key, None)
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         stop_mps(exe, daemon, env, log)
 
 

@@ -714,7 +714,7 @@ FAKE_MPS = """#!/bin/sh
 d="$CUDA_MPS_PIPE_DIRECTORY"
 if [ "$1" = "-f" ]; then
   [ -n "$FAKE_MPS_FAIL" ] && { echo "$FAKE_MPS_FAIL"; exit 1; }
-  echo $$ > "$d/pid"; : > "$d/control"
+  echo $$ > "$d/pid"; echo "$CUDA_VISIBLE_DEVICES" > "$d/visible"; : > "$d/control"
   while [ ! -e "$d/quit" ]; do sleep 0.05; done
   rm -f "$d/control"; exit 0
 fi
@@ -763,13 +763,34 @@ def test_jobs_sharing_a_gpu_run_under_an_mps_daemon_that_ends_with_the_command(c
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
+@pytest.mark.parametrize("visible", ["1", "2,3"])
+def test_jobs_under_mps_name_the_gpus_as_the_daemon_numbers_them(capsys, tmp_path, monkeypatch, visible):
+    """The daemon runs on the command's GPUs ("2,3") and shows them to its clients as 0, 1, ...: a job
+    that kept "2" would find no GPU. The jobs get the daemon's numbering; the command's own
+    CUDA_VISIBLE_DEVICES is back when it returns."""
+    import re
+    fake_mps(tmp_path, monkeypatch)
+    gpus = visible.split(",")
+    monkeypatch.setattr(cli, "visible_gpus", lambda: gpus)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    out = tmp_path / "runs"
+    code, stdout, _ = run_cli(capsys, *TINY_JOBS[:-1], str(2 * len(gpus) + 1), "--seeds", "0,1", "--out", str(out))
+    assert code == 0 and "MPS: daemon started" in stdout, stdout
+    assert (out / ".mps" / "pipe" / "visible").read_text().strip() == visible
+    seen = {re.search(r"CUDA_VISIBLE_DEVICES=(\S+),", log.read_text()).group(1)
+            for log in out.glob("copy/*/seed*/train.log")}
+    assert seen and seen <= {str(i) for i in range(len(gpus))}      # which process took which run may vary
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == visible and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
 def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkeypatch):
     fake_mps(tmp_path, monkeypatch)
     monkeypatch.setenv("FAKE_MPS_HANG", "1")                 # quit is ignored: the daemon is killed instead
     monkeypatch.setattr(cli, "MPS_WAIT", 0.5)
     lines = []
     with pytest.raises(KeyboardInterrupt):
-        with cli.mps_daemon(tmp_path / "out" / ".mps", log=lines.append):
+        with cli.mps_daemon(tmp_path / "out" / ".mps", ["0"], log=lines.append):
             assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str((tmp_path / "out" / ".mps" / "pipe").resolve())
             pid = int((tmp_path / "out" / ".mps" / "pipe" / "pid").read_text())
             assert alive(pid)

@@ -445,7 +445,13 @@ PRISM_MORE_FIT = ("dynamic string copy 40k and SCAN 12k of the paper's 150k step
                   "command's start to its end, training 33.2-36.7 steps/s with its evaluations; reverse, tested to "
                   "100: commit 44f938d, docs/results/jobs-h200-prism-more-reverse-lr, 3.7-4.8 minutes, 42.1-49.5 "
                   "steps/s), so at most 6.7 minutes on an H200 and, as dynamic copy's H100 run took 1.06 times its "
-                  "H200 run, about 7.1 on an H100; their 9k runs: docs/results/prism-more-9k")
+                  "H200 run, about 7.1 on an H100; measured (compiled, --tf32, each run on its own H200 of a host "
+                  "of four, four at once, commit f80773c, docs/results/jobs-h200-prism-more-12k): 6.5-8.3 minutes "
+                  "from its command's start to its end (training 34.4-36.9 steps/s for stack and odds_first, "
+                  "42.4-42.5 for reverse, with its evaluations; final evaluation 11.8-15.4 s), the rest, 95-107 s, "
+                  "outside both on a machine compiling them for the first time, 49 s on one that had before; on "
+                  "an H100 not run (its training loop at 1.06 times: at most 8.7 minutes); their 9k runs: "
+                  "docs/results/prism-more-9k")
 PRISM_MORE_NOT_RUN = ("40k of its 150k steps (27 %); not run: compiled, on one H200 (commit 2daeea8), it trains at "
                       "4.5 steps/s with 42 GiB and its first evaluation of 1,000 examples at each length had not "
                       "ended when a 300 s limit stopped the profile (docs/perf/training.md, \"The full budget's runs "
@@ -599,9 +605,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={},
         scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, "
                "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at "
-               "least as many bins as positions, and the copy branch for reverse (trained to 40; tested to 100, the "
-               "task's lengths, the paper: to 150), dynamic string "
-               "copy and SCAN; "
+               "least as many bins as positions, and the copy branch for reverse (trained to 40, tested to 150; "
+               "tested to 100 before: docs/results/prism-more-9k), dynamic string copy and SCAN; "
                "PRISM only (the figures' baselines are the other experiments' APE runs); odds_first and stack "
                "recompute positions before blocks 1 and 4; the gate head starts counting (prism_count_bias=1, as "
                "in prism-copy; earlier runs with random gate biases: docs/results/before-count-bias; "

@@ -655,6 +655,23 @@ def test_a_full_setup_reports_its_own_selection_rule_or_the_quick_one():
                 assert all(make_config({**run, "device": "cpu"}, "gpu").eval_every for run in e.runs), name
 
 
+def test_prism_more_lengths_and_test_set_are_the_papers_at_both_budgets():
+    """SPEC: reverse, odds-first and stack train to 40 and are tested to 150 (reverse's task tests to 100 by
+    default, so its runs name their lengths). The full runs' evaluations during training take the paper's
+    1,000 examples over the run's own test lengths (7 a length for 150), not over the task's."""
+    from tasks import TASKS
+    exp = experiments.EXPERIMENTS["prism-more"]
+    for e in (exp, experiments.at_budget(exp, "full")):
+        for run in e.runs:
+            if run["task"] in ("reverse", "odds_first", "stack"):
+                cfg = make_config({**run, "device": "cpu"}, "gpu")
+                train = cfg.train_lengths or TASKS[run["task"]].train_lengths
+                test = cfg.test_lengths or TASKS[run["task"]].test_lengths
+                assert (max(train), max(test)) == (40, 150), (run["task"], max(train), max(test))
+                if e is not exp:
+                    assert 1000 <= cfg.n_eval_during * len(test) < 1000 + len(test), (run["task"], cfg.n_eval_during)
+
+
 def test_every_full_curriculum_trains_at_its_longest_length_for_a_quarter_of_its_steps():
     """The full budget takes fewer steps than the paper where they do not fit; a run cut so short that
     the paper's curriculum (5k steps a stage) never reaches its longest training length, or only at the

@@ -362,3 +362,43 @@ def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
     scores, alpha = torch.randn(2, 3, 4, 5, 6), torch.randn(3, 4)
     assert torch.allclose(prism_parts.mix_matmul(scores, alpha), prism.mix_cursors(scores, alpha), atol=1e-5)
     assert [prism_parts.triton_width(P) for P in (96, 128, 129)] == [128, 128, 256]
+
+
+def test_seed_table_reads_each_seed_and_the_top_3_rule(tmp_path):
+    """Each seed's cell (up to / beyond the training length, "to L"), the mean (min-max) beyond it and the
+    top-3 rule over evaluations during training, from metrics written here with known values; a seed
+    without evaluations during training gives "-" for the rule; a folder without seeds is a one-line error."""
+    def rows(exact):
+        return [{"name": str(i + 1), "length": i + 1, "variant": None, "n": 10, "exact": e, "token": e}
+                for i, e in enumerate(exact)]
+
+    def write(label, seed, exact, history):
+        d = tmp_path / "stack" / label / f"seed{seed}"
+        d.mkdir(parents=True)
+        m = {"seed": seed, "train_max_length": 2, "eval": rows(exact),
+             "history": [{"step": 1000 * (i + 1), "eval": rows([1, 1, b, b])} for i, b in enumerate(history)]}
+        (d / "metrics.json").write_text(json.dumps(m))
+
+    write("a", 0, [1.0, 0.95, 0.92, 0.5], [0.2, 0.6, 0.4, 0.7])
+    write("a", 1, [0.8, 1.0, 0.1, 0.0], [])
+    write("b", 2, [1.0, 1.0, 0.9, 0.3], [0.3])
+    out = script("seed_table.py", tmp_path / "stack" / "a", tmp_path / "stack" / "b").splitlines()
+    assert out[0] == "| run | seed 0 | seed 1 | seed 2 | beyond, mean (min-max) | the paper's rule (top 3) |"
+    assert out[2] == "| stack/a | 0.975 / 0.710, to 3 | 0.900 / 0.050, to 0 |  | 0.380 (0.05-0.71) | - |", out
+    assert out[3] == "| stack/b |  |  | 1.000 / 0.600, to 3 | 0.600 (one seed) | 0.300 (one seed) |", out
+    (tmp_path / "stack" / "a" / "seed1" / "metrics.json").unlink()   # now seed 0 alone: (0.6 + 0.4 + 0.7) / 3
+    assert script("seed_table.py", tmp_path / "stack" / "a").splitlines()[2].endswith("| 0.567 (one seed) |")
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "seed_table.py"), str(tmp_path / "none")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "no seed*/metrics.json in" in done.stderr, done.stderr
+
+
+def test_seed_table_reads_a_trained_run(tmp_path):
+    run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3])
+    m = json.loads((run / "metrics.json").read_text())
+    top = m["train_max_length"]
+    inside = [r["exact"] for r in m["eval"] if r["length"] <= top]
+    beyond = [r["exact"] for r in m["eval"] if r["length"] > top]
+    row = script("seed_table.py", run.parent).splitlines()[2]
+    assert row.startswith(f"| copy/{run.parent.name} | {sum(inside) / len(inside):.3f} / "
+                          f"{sum(beyond) / len(beyond):.3f}, to "), row

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -388,6 +389,11 @@ def test_seed_table_reads_each_seed_and_the_top_3_rule(tmp_path):
     assert out[3] == "| stack/b |  |  | 1.000 / 0.600, to 3 | 0.600 (one seed) | 0.300 (one seed) |", out
     (tmp_path / "stack" / "a" / "seed1" / "metrics.json").unlink()   # now seed 0 alone: (0.6 + 0.4 + 0.7) / 3
     assert script("seed_table.py", tmp_path / "stack" / "a").splitlines()[2].endswith("| 0.567 (one seed) |")
+    (tmp_path / "copy").mkdir()                                      # stack/b again, from another place
+    shutil.copytree(tmp_path / "stack" / "b", tmp_path / "copy" / "stack" / "b")
+    twice = script("seed_table.py", tmp_path / "stack" / "b", tmp_path / "copy" / "stack" / "b").splitlines()
+    assert [row.split(" | ")[0] for row in twice[2:]] == [f"| {tmp_path / 'stack' / 'b'}",
+                                                          f"| {tmp_path / 'copy' / 'stack' / 'b'}"], twice
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "seed_table.py"), str(tmp_path / "none")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "no seed*/metrics.json in" in done.stderr, done.stderr

@@ -3,7 +3,7 @@ docs/results/prism-more-lr-12k), as markdown: for each folder <task>/<label>, ea
 its training length and "to L" (at least 0.9 at every evaluated length up to L), then over its seeds the mean
 (min-max) beyond it and PRISM's rule (the mean of the 3 best evaluations during training beyond it,
 experiments.top_k_checkpoints). `--reproduce` builds tables for an experiment's own runs only; this one reads any
-folders of seed*/metrics.json.
+folders of seed*/metrics.json. Rows are named <task>/<label>, or by their paths where two folders share that name.
 
     python docs/perf/seed_table.py docs/results/prism-more-lr-12k/stack/prism-full-warm1k [more folders]
 """
@@ -34,6 +34,11 @@ def spread(values: list[float]) -> str:
     return f"{sum(values) / len(values):.3f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def per_length(m: dict) -> list[dict]:
+    """A run's evaluation rows per length (flip-flop's settings are not lengths)."""
+    return [r for r in m["eval"] if r["variant"] is None]
+
+
 def folder_row(name: str, runs: list[dict], seeds: list[int]) -> str:
     """One markdown row: the folder's name, a cell per seed in `seeds` (empty where it has none), then over its
     own seeds the mean beyond the training length and the top-3 rule ("-" where a seed has no evaluations during
@@ -48,16 +53,14 @@ def folder_row(name: str, runs: list[dict], seeds: list[int]) -> str:
     return "| " + " | ".join([name, *(cells.get(s, "") for s in seeds), spread(beyond), rule_text]) + " |"
 
 
-def per_length(m: dict) -> list[dict]:
-    """A run's evaluation rows per length (flip-flop's settings are not lengths)."""
-    return [r for r in m["eval"] if r["variant"] is None]
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="run folders <task>/<label> holding seed*/")
     args = parser.parse_args(argv)
-    folders = {f"{f.parent.name}/{f.name}": seed_metrics(f) for f in args.folders}
+    names = [f"{f.parent.name}/{f.name}" for f in args.folders]
+    if len(set(names)) < len(names):       # the same <task>/<label> in two places: name each row by its path
+        names = [str(f) for f in args.folders]
+    folders = {name: seed_metrics(f) for name, f in zip(names, args.folders)}
     for name, runs in folders.items():
         if not runs:
             parser.error(f"no seed*/metrics.json in {name}")

@@ -67,7 +67,8 @@ def main(argv=None) -> None:
         if not all(per_length(m) for m in runs):
             parser.error(f"{name}: a run without an evaluation per length")
     seeds = sorted({m["seed"] for runs in folders.values() for m in runs})
-    print("| run | " + " | ".join(f"seed {s}" for s in seeds) + " | beyond, mean (min-max) | the paper's rule (top 3) |")
+    columns = ["run", *(f"seed {s}" for s in seeds), "beyond, mean (min-max)", "the paper's rule (top 3)"]
+    print("| " + " | ".join(columns) + " |")
     print("| --- |" + " --- |" * (len(seeds) + 2))
     for name, runs in folders.items():
         print(folder_row(name, runs, seeds))

@@ -5,7 +5,9 @@ how every result file is written (save_atomic, json_text).
     rows = evaluate(model, tasks.TASKS["copy"], [8, 16, 32], n=256, seed=0, device="cpu")
     print(summary_line(rows, train_max=16))   # "exact in-dist X | beyond train length Y"
 
-Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token"}.
+Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token", "last"}:
+exact match per sequence, accuracy per supervised token, and on the final answer alone ("last": the last
+supervised position that is not the task's <eos>, e.g. parity's y_L; one per sequence).
 One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py
 checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
 experiments.py and cli.py read its rows from each run's metrics.json, which `json_text` lays out a row
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -30,11 +33,14 @@ from model import autocast, batch_context
 from tasks import IGNORE, Task, collate
 
 
-def score(logits, y):
-    """Per sequence: exact match (every supervised position right), right and supervised tokens, (B,) each."""
+def score(logits, y, eos: int = -1):
+    """Per sequence: exact match (every supervised position right), right and supervised tokens, and whether
+    the final answer is right (the last supervised position whose target is not `eos`), (B,) each."""
     sup = y != IGNORE
     right = (logits.argmax(-1) == y) & sup
-    return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1)
+    answer = sup & (y != eos)                                          # (B, T)
+    last = answer.shape[1] - 1 - answer.flip(1).int().argmax(1)        # (B,) its last position
+    return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1), right.gather(1, last[:, None])[:, 0] & answer.any(1)
 
 
 @torch.no_grad()
@@ -56,7 +62,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}
     rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x),
              "s": float(s(L) if callable(s) else s)} for L in lengths for vname in (task.variants or {None: {}})]
-    counts = np.zeros((len(rows), 3))                      # per row: exact, right tokens, supervised
+    counts = np.zeros((len(rows), 4))                      # per row: exact, right tokens, supervised, last
+    eos = task.stoi.get("<eos>", -1)
 
     def pieces():                                          # (row, s, batch), in the order drawn
         for k, r in enumerate(rows):
@@ -67,13 +74,13 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
                 else:
                     yield k, r["s"], every[r["length"]].take(start, start + batch_size)
 
-    def scores(group):                                     # (examples, 3): exact, right tokens, supervised
+    def scores(group):                                     # (examples, 4): exact, right tokens, supervised, last
         if stop:
             stop()
         batch = collate([b for _, _, b in group], task.pad_id)
         with autocast(device, precision):
             logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
-        return torch.stack(score(logits.float(), batch.y.to(device)), 1).cpu().numpy()
+        return torch.stack(score(logits.float(), batch.y.to(device), eos), 1).cpu().numpy()
 
     def run(group):
         try:
@@ -105,8 +112,8 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
         group.append(piece)
     if group:
         run(group)
-    for r, (exact, right, sup) in zip(rows, counts):
-        r.update(exact=exact / r["n"], token=right / max(sup, 1))
+    for r, (exact, right, sup, last) in zip(rows, counts):
+        r.update(exact=exact / r["n"], token=right / max(sup, 1), last=last / r["n"])
     model.train()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()                           # back to the runs that share the GPU
@@ -171,3 +178,22 @@ def save_atomic(obj, path: Path, **savefig):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+# What every run's metrics record beside its rows (train.train), and how its progress lines give times.
+
+def git_hash() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+
+
+def fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -317,13 +317,15 @@ class Method:
 @dataclass
 class Final:
     """What a method's own evaluation after training (Method.final_eval) may use, built by train.train:
-    its options, the lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s) on the trained model."""
+    its options, the lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s, fresh, lr) on the
+    trained model; during training (with eval_every) the same on a copy of the model, `during` True."""
     opts: dict
     train_max: int
     test_lengths: list
     log: Callable
     evaluate: Callable
     finetune: Callable
+    during: bool = False
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:

@@ -17,11 +17,10 @@ if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) 
     import cli
     sys.exit(cli.main())
 
+import copy
 import math
-import os
 import pickle
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -36,7 +35,7 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from evaluation import evaluate, save_atomic, summary_line
+from evaluation import device_name, evaluate, fmt_time, git_hash, save_atomic, summary_line
 from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
                    largest_logits)
 from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
@@ -128,14 +127,6 @@ def device_of(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
-def git_hash() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 CKPT = "checkpoint.pt"
 JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01, at one curriculum length: a jump (the last 3 kept)
 
@@ -144,9 +135,6 @@ class NaNLoss(Exception):
     pass
 
 
-def fmt_time(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 class Step:
@@ -317,6 +305,17 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
                      "losses": pickle.dumps(losses), "logit_max": logit_max, "timed": timing()}, cfg.run_dir() / CKPT)
 
+    train_max = max(train_lengths)
+
+    def method_final(net, net_fwd, net_opt, during=False):   # what the method's final_eval works on (model.Final)
+        n, how = (cfg.n_eval_during or cfg.n_eval, replace(cfg, graphs=False, compile=False)) if during else (cfg.n_eval, cfg)
+        return Final(cfg.model.opts, train_max, test_lengths, (lambda *_: None) if during else log, during=during,
+                     evaluate=lambda lengths, s=1.0: evaluate(net, task, lengths, n, cfg.seed, device, cfg.task_opts, s,
+                                                              precision=cfg.precision, stop=flag.get("check")),
+                     finetune=lambda steps, s, fresh=True, lr=None: finetune(net, net_fwd, net_opt, how, task,
+                                                                            train_lengths, device, flag, steps, s,
+                                                                            fresh, lr))
+
     probe = task.sample(16, max(train_lengths), np.random.default_rng([cfg.seed, 3]), **cfg.task_opts)
 
     def probe_logits():      # on the same 16 training sequences each time (their own generator)
@@ -385,6 +384,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         history.append({"step": step, **{key: evaluate(
             model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream_id,
             precision=cfg.precision, stop=flag.get("check")) for key, stream_id, lengths in sets}})
+        if METHODS[cfg.method].final_eval:      # the method's own reading (ViPE's fine-tuning) on a copy
+            net, net_opt = copy.deepcopy(model), make_optimizer(model, cfg, device)
+            net_opt.load_state_dict(opt.state_dict())
+            history[-1]["final"] = METHODS[cfg.method].final_eval(method_final(net, net, net_opt, True))[0]
         flag.pop("now")
         log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
 
@@ -434,12 +437,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     # each pass of the evaluation): the last step's checkpoint is written, and --resume goes straight to evaluating
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")
-    train_max, t_final = max(train_lengths), time.time()
-    final = Final(cfg.model.opts, train_max, test_lengths, log,
-                  evaluate=lambda lengths, s=1.0: evaluate(model, task, lengths, cfg.n_eval, cfg.seed, device,
-                                                           cfg.task_opts, s, precision=cfg.precision,
-                                                           stop=flag.get("check")),
-                  finetune=lambda steps, s: finetune(model, fwd, opt, cfg, task, train_lengths, device, flag, steps, s))
+    t_final = time.time()
+    final = method_final(model, fwd, opt)
     rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
         else (final.evaluate(test_lengths), {})
     flag.pop("now", None)                      # evaluated: a signal from here waits, and the run's files get written
@@ -470,14 +469,17 @@ def batches(cfg: TrainConfig, task: Task, lengths: list[int], start: int, end: i
     return stream.loader(start, end, cfg.workers)
 
 
-def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s):
-    """`steps` more steps of the same data stream at the final learning rate, with ctx["s"] = s in every attention
-    call (ViPE's fine-tuning with compressed distances, the paper's eq. 7); `s` a number, or a function of the step
-    k = 0, 1, ... (then eager: a CUDA graph or a compiled model would keep the first s). Returns the losses."""
+def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str, flag: dict, steps: int, s,
+             fresh: bool = True, lr: float | None = None):
+    """`steps` more steps of the same data stream at a constant rate, `lr` or the run's final one, with a new
+    AdamW (fresh) or `opt` as training left it, and ctx["s"] = s in every attention call (ViPE's fine-tuning with
+    compressed distances, the paper's eq. 7); `s` a number, or a function of the step k = 0, 1, ... (then
+    eager: a CUDA graph or a compiled model would keep the first s). Returns the losses."""
     changing = callable(s)
+    opt = make_optimizer(model, cfg, device) if fresh else opt
     step = Step(model, model if changing else fwd, opt, replace(cfg, graphs=False, compile=False) if changing
                 else cfg, task, device, s=1.0 if changing else s)
-    set_lr(opt, cfg.lr * cfg.min_lr_ratio)
+    set_lr(opt, lr or cfg.lr * cfg.min_lr_ratio)
     losses, stream = [], batches(cfg, task, lengths, cfg.steps, cfg.steps + steps)
     try:
         for k, batch in enumerate(stream):
@@ -494,7 +496,3 @@ def finetune(model, fwd, opt, cfg: TrainConfig, task: Task, lengths, device: str
     if losses and not math.isfinite(losses[-1]):
         raise NaNLoss(f"loss is {losses[-1]} at the end of fine-tuning (the checkpoint at step {cfg.steps} is kept)")
     return losses
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"

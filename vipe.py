@@ -58,15 +58,17 @@ from model import Method, Opt, causal_mask, pick_backend, sdpa
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
+G_FORMS = ("s", "affine")   # the logit factor's g(s): s (eq. 9), or a s + b learned per head (appendix C.3)
 
 
 # =============================================================================================
 # Naive reference: the (T, T) logits and the (T, T, d_p) codes, as written in the paper
 # =============================================================================================
 
-def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True, code: str = "linear", g=None):
     """q, k: (B, H, T, D); v: (B, H, T, Dv); u: (H, D); w_p, b_p: (H, d_p) -> z: (B, H, T, Dv + d_p).
-    rescale=False drops lambda (the value code alone); d_p = 0 drops the code (the rescaling alone)."""
+    rescale=False drops lambda (the value code alone); d_p = 0 drops the code (the rescaling alone).
+    code: the distance the code carries (CODES); g: (H,) the logit factor in place of s (vipe_g=affine)."""
     B, H, T, D = q.shape
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):                            # 16-bit: computed in float32
@@ -74,13 +76,29 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
     n = torch.arange(1, T + 1, device=q.device, dtype=q.dtype)              # 1-based positions
     logits = q @ k.transpose(-1, -2) / math.sqrt(D)                         # (B, H, T, T) base logits
     if rescale:
-        lam = s * torch.log(n)[:, None] * (1 + (k * u[:, None, :]).sum(-1))[..., None, :]  # (B, H, T, T)
+        g = torch.full((H,), s, dtype=q.dtype, device=q.device) if g is None else g.to(q.dtype)  # (H,)
+        lam = g[:, None, None] * torch.log(n)[:, None] * (1 + (k * u[:, None, :]).sum(-1))[..., None, :]  # (B, H, T, T)
         logits = lam * logits
     a = logits.masked_fill(~causal_mask(T, q.device), -math.inf).softmax(-1)                 # (B, H, T, T)
-    dist = (n[:, None] - n[None, :]) / s                                    # (T, T) compressed n - i
+    dist = code_distance(code, n[:, None] - n[None, :], n[:, None], s)     # (T, T) the code's n - i
     codes = dist[None, :, :, None] * w_p[:, None, None, :] + b_p[:, None, None, :]  # (H, T, T, d_p)
     pos = torch.einsum("bhni,hnip->bhnp", a, codes)                         # (B, H, T, d_p)
     return torch.cat([a @ v, pos.to(a.dtype)], dim=-1).to(dtype)
+
+
+CODES = ("linear", "tanh", "over_n")
+TANH_SCALE = 16.0   # tokens: tanh(d / (s * 16)) is 0.97 at the longest training distance of the ViPE tasks (34)
+
+
+def code_distance(code: str, dist, n, s: float):
+    """What the value code carries for distance dist = n - i at the 1-based query position n: "linear"
+    dist / s (the paper's eq. 8); two bounded forms (the paper's text calls the code "monotonic, bounded"):
+    "tanh" tanh(dist / (s * TANH_SCALE)), and "over_n" dist / n, in [0, 1) at any length, so s is not applied."""
+    if code == "linear":
+        return dist / s
+    if code == "tanh":
+        return torch.tanh(dist / (s * TANH_SCALE))
+    return dist / n
 
 
 # =============================================================================================
@@ -106,19 +124,22 @@ def attention_with_mean_position(q, k, v, scale: float):
     return out[..., :Dv], out[..., Dv]
 
 
-def vipe_attention_torch(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
-    """The fast path in PyTorch ops (the CPU backend; float64 anywhere)."""
+def vipe_attention_torch(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True, code: str = "linear",
+                         g=None):
+    """The fast path in PyTorch ops (the CPU backend; float64 anywhere). code "linear" or "over_n" (both
+    linear in i, so E_n[i] gives them); g as in the naive path."""
     B, H, T, D = q.shape
     f = torch.promote_types(q.dtype, torch.float32)                         # float64 stays float64
     if rescale:
         n = torch.arange(1, T + 1, device=q.device, dtype=f)
-        q = q * (s * torch.log(n)).to(q.dtype)[:, None]                     # per-query factor
+        g = torch.full((H,), s, dtype=f, device=q.device) if g is None else g.to(f)  # (H,)
+        q = q * (g[:, None, None] * torch.log(n)[:, None]).to(q.dtype)      # per-query factor
         k = k * (1 + k @ u[:, :, None].to(k.dtype))                         # per-key factor (B, H, T, 1)
     o, mean_i = attention_with_mean_position(q, k, v, D ** -0.5)
     if w_p.shape[-1] == 0:
         return o
     n0 = torch.arange(T, device=q.device, dtype=f)                         # 0-based, like mean_i
-    dist = (n0 - mean_i.to(f)) / s                                        # (B, H, T) n - E[i]
+    dist = code_distance(code, n0 - mean_i.to(f), n0 + 1, s)                # (B, H, T) n - E[i], as the code reads it
     pos = dist[..., None] * w_p[:, None, :] + b_p[:, None, :]               # (B, H, T, d_p)
     return torch.cat([o, pos.to(o.dtype)], dim=-1)
 
@@ -136,12 +157,20 @@ def vipe_attention_triton(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = 
     return PositionCode.apply(o, w_p, b_p, Dv, s)                          # (B, H, T, Dv + d_p)
 
 
-def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True):
+def vipe_attention(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = True, code: str = "linear", g=None):
     """ViPE attention, same contract as `vipe_attention_naive` (exact, see the module docstring).
-    Triton around SDPA on CUDA (float32 and 16-bit), the PyTorch ops elsewhere."""
+    Triton around SDPA on CUDA (float32 and 16-bit), the PyTorch ops elsewhere. The ablations' forms go
+    elsewhere: the kernels take the paper's alone (the PyTorch ops), and a tanh code is not linear in i,
+    so it has no E_n[i] form (the naive path)."""
     backend = pick_backend(BACKEND, "vipe_attention", q.is_cuda, q.dtype != torch.float64, "float64 inputs")
-    fn = {"naive": vipe_attention_naive, "torch": vipe_attention_torch, "triton": vipe_attention_triton}[backend]
-    return fn(q, k, v, u, w_p, b_p, s, rescale)
+    if code == "tanh":
+        backend = "naive"
+    elif backend == "triton" and (code != "linear" or g is not None):
+        backend = "torch"
+    if backend == "triton":
+        return vipe_attention_triton(q, k, v, u, w_p, b_p, s, rescale)
+    fn = {"naive": vipe_attention_naive, "torch": vipe_attention_torch}[backend]
+    return fn(q, k, v, u, w_p, b_p, s, rescale, code, g)
 
 
 # =============================================================================================
@@ -171,26 +200,55 @@ def ramp(s: float, steps: int):
     return lambda k: 1.0 + (s - 1.0) * (k + 1) / steps
 
 
+FT_OPTIMS = ("fresh", "continued")
+
+
 def final_evaluation(run) -> tuple[list[dict], dict]:
-    """ViPE after training (Method.final_eval; `run` is a model.Final). Its rows: the training
-    lengths at s = 1, the model as trained (the paper's bar: in-distribution accuracy), and the
-    longer lengths under the rule `vipe_s` (default "fixed": after `vipe_finetune` steps trained with
-    s = L_test_max / L_train_max, or with s rising to it from 1 with `vipe_ramp`). Beside them, under
-    "eval_ablations", every other rule at every length before any fine-tuning, each named by its s."""
+    """ViPE after training (Method.final_eval; `run` is a model.Final). The run's rows are the reading of
+    the rule `vipe_s` (default "fixed", the paper's) on ONE model at every length, training lengths
+    included, each row with its s and its "model":
+
+    - "fixed" with vipe_finetune > 0 (the paper's protocol): the model after `vipe_finetune` steps
+      trained with the fixed s (`fixed_s`; rising to it from 1 with vipe_ramp), tested with that s at
+      every length ("fine-tuned"). So the in-distribution accuracy that the paper's 0.85 bar reads is
+      that of the model it tests beyond training.
+    - otherwise the model as trained under the rule ("as trained").
+
+    Beside them, under "eval_ablations", every rule on the model as trained (before any fine-tuning),
+    at every length, each named by its s. During training (run.during) the rows alone, on a copy.
+
+    The fine-tuning: `vipe_finetune` steps of the training stream with a fresh AdamW (vipe_ft_optim =
+    fresh, the default) at the run's final learning rate (vipe_ft_lr to set another). The paper says
+    only that the model is fine-tuned briefly with the compressed distances (eq. 7): a fine-tuning stage
+    starts from the trained weights with an optimiser of its own, as in the position-interpolation
+    recipes it follows; "continued" keeps the run's Adam moments instead, whose second moments were
+    made by gradients far smaller than those at the new s. The final rate is the rate the model
+    converged at (the paper's setup trains at a constant rate, so it is its rate)."""
     rule, steps = run.opts.get("vipe_s", "fixed"), run.opts.get("vipe_finetune", 0)
     top, test_max = run.train_max, max(run.test_lengths)
-    rules = {r: (lambda L, r=r: compression(r, L, top, test_max)) for r in S_RULES}
-    before = {r: run.evaluate(run.test_lengths, rules[r]) for r in S_RULES if r == "one" or r != rule}
-    after = before.get(rule)
-    if after is None:                                     # the rule beyond training: fine-tune, then test
-        if steps:
-            s, rising = compression(rule, test_max, top, test_max), run.opts.get("vipe_ramp", False)
-            run.finetune(steps, ramp(s, steps) if rising else s)
-            run.log(f"  fine-tuned {steps} steps with s = {test_max} / {top}" + (", ramped from 1" if rising else ""))
-        after = run.evaluate([L for L in run.test_lengths if L > top], rules[rule])
-    rows = [r for r in before["one"] if r["length"] <= top] + [r for r in after if r["length"] > top]
-    ablations = {ablation_label(r): rows_ for r, rows_ in before.items() if r != rule}
-    return rows, {"eval_ablations": ablations}
+    s_fixed = fixed_s(run.opts, top, test_max)
+    rules = {r: (lambda L, r=r: s_fixed if r == "fixed" else compression(r, L, top, test_max)) for r in S_RULES}
+    before = {} if run.during else {r: tag(run.evaluate(run.test_lengths, rules[r]), "as trained") for r in S_RULES}
+    if rule == "fixed" and steps:
+        rising = run.opts.get("vipe_ramp", False)
+        run.finetune(steps, ramp(s_fixed, steps) if rising else s_fixed,
+                     fresh=run.opts.get("vipe_ft_optim", "fresh") == "fresh", lr=run.opts.get("vipe_ft_lr") or None)
+        run.log(f"  fine-tuned {steps} steps with s = {s_fixed:g}" + (", ramped from 1" if rising else ""))
+        rows = tag(run.evaluate(run.test_lengths, rules[rule]), "fine-tuned")
+    else:
+        rows = before.get(rule) or tag(run.evaluate(run.test_lengths, rules[rule]), "as trained")
+    ablations = {ablation_label(r): rows_ for r, rows_ in before.items() if rows_ is not rows}
+    return rows, ({"eval_ablations": ablations} if ablations else {})
+
+
+def fixed_s(opts: dict, train_max: int, test_max: int) -> float:
+    """The fixed s: vipe_s_fixed if given, else the paper's L_test_max / L_train_max (eq. 7)."""
+    return float(opts.get("vipe_s_fixed") or compression("fixed", test_max, train_max, test_max))
+
+
+def tag(rows: list[dict], model: str) -> list[dict]:
+    """Rows marked with the model they were measured on: "as trained" or "fine-tuned"."""
+    return [{**r, "model": model} for r in rows]
 
 
 # =============================================================================================
@@ -214,8 +272,11 @@ class ViPEAttention(nn.Module):
         if not cfg.causal:
             raise ValueError("ViPE attention is causal; this task needs a bidirectional model")
         self.mode = cfg.opts.get("vipe_mode", "both")
-        if self.mode not in MODES:
-            raise ValueError(f"vipe_mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.code, self.g = cfg.opts.get("vipe_code", "linear"), cfg.opts.get("vipe_g", "s")
+        for name, value, allowed in (("vipe_mode", self.mode, MODES), ("vipe_code", self.code, CODES),
+                                     ("vipe_g", self.g, G_FORMS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         C, H = cfg.d_model, cfg.n_heads
         self.H, self.D = H, C // H
         self.Dv = self.D - 1
@@ -226,6 +287,8 @@ class ViPEAttention(nn.Module):
         self.u = nn.Parameter(torch.zeros(H, self.D))                       # starts as pure s log(n)
         self.w_p = nn.Parameter(0.02 * torch.randn(H, self.dp))
         self.b_p = nn.Parameter(torch.zeros(H, self.dp))
+        if self.g == "affine":                                              # g(s) = a s + b, from a = 1, b = 0
+            self.g_ab = nn.Parameter(torch.tensor([[1.0, 0.0]] * H))        # (H, 2)
 
     def forward(self, x, ctx=None):
         B, T, C = x.shape
@@ -234,7 +297,8 @@ class ViPEAttention(nn.Module):
             x = x.to(torch.promote_types(x.dtype, torch.float32))
             q, k = self.qk(x).view(B, T, 2, self.H, self.D).permute(2, 0, 3, 1, 4)  # 2 x (B, H, T, D)
             v = self.v(x).view(B, T, self.H, self.Dv).transpose(1, 2)               # (B, H, T, D - 1)
-            z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, rescale=self.mode != "value")
+            g = self.g_ab[:, 0] * s + self.g_ab[:, 1] if self.g == "affine" else None    # (H,)
+            z = vipe_attention(q, k, v, self.u, self.w_p, self.b_p, s, self.mode != "value", self.code, g)
             return self.out(z.transpose(1, 2).reshape(B, T, -1))                  # (B, T, C)
 
 
@@ -242,10 +306,19 @@ VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,
               options={"vipe_mode": Opt(str, "both, value (the code alone) or scale (the rescaling alone) "
                                              "(default both)", choices=MODES),
                        "vipe_dp": Opt(int, "code width d_p (default 8)", 1),
-                       "vipe_s": Opt(str, "the test-time s beyond the training lengths: fixed "
-                                          "(L_test_max / L_train_max), per_length (L / L_train_max) or one "
-                                          "(default fixed)", choices=S_RULES),
+                       "vipe_code": Opt(str, "the distance the value code carries: linear ((n - i) / s, eq. 8), "
+                                             "tanh (tanh((n - i) / (16 s))) or over_n ((n - i) / n) (default "
+                                             "linear)", choices=CODES),
+                       "vipe_g": Opt(str, "the logit factor's g(s): s (eq. 9) or affine (a s + b, a and b learned "
+                                          "per head, appendix C.3) (default s)", choices=G_FORMS),
+                       "vipe_s": Opt(str, "the test-time s: fixed (one s at every length, after vipe_finetune "
+                                          "steps with it), per_length (L / L_train_max) or one (default fixed)",
+                                     choices=S_RULES),
+                       "vipe_s_fixed": Opt(float, "the fixed s (default L_test_max / L_train_max)", 1),
                        "vipe_finetune": Opt(int, "with vipe_s=fixed: steps trained with that s before the "
                                                  "test (default 0)", 0),
+                       "vipe_ft_optim": Opt(str, "the fine-tuning's optimiser: fresh (a new AdamW) or continued "
+                                                 "(the run's, with its moments) (default fresh)", choices=FT_OPTIMS),
+                       "vipe_ft_lr": Opt(float, "the fine-tuning's learning rate (default: the run's final one)", 1e-12),
                        "vipe_ramp": Opt(bool, "with vipe_finetune: s rises linearly from 1 to the fixed s over "
                                               "those steps (default false: s fixed throughout)")})

@@ -89,8 +89,18 @@ def test_ape_random_shift_only_in_training():
 def test_score_counts_supervised_positions_only():
     y = torch.tensor([[IGNORE, 1, 2], [IGNORE, 1, 2], [IGNORE, IGNORE, IGNORE]])
     pred = torch.tensor([[0, 1, 2], [2, 1, 0], [1, 1, 1]])
-    exact, right, sup = score(F.one_hot(pred, 3).float(), y)
+    exact, right, sup, last = score(F.one_hot(pred, 3).float(), y)
     assert exact.tolist() == [True, False, True] and right.tolist() == [2, 1, 0] and sup.tolist() == [2, 2, 0]
+    assert last.tolist() == [True, False, False]             # the last supervised position; none in row 3
+
+
+def test_the_final_answer_is_the_last_supervised_position_before_eos():
+    """With eos = 2 the final answer of [_, 1, 2] is the 1 at position 1: right in the second row, whose
+    <eos> is wrong, and wrong in the third, whose <eos> is right; a row with nothing else supervised has none."""
+    y = torch.tensor([[IGNORE, 1, 2], [IGNORE, 1, 2], [IGNORE, 1, 2], [IGNORE, IGNORE, 2]])
+    pred = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 0, 2], [0, 0, 2]])
+    exact, right, sup, last = score(F.one_hot(pred, 3).float(), y, eos=2)
+    assert exact.tolist() == [True, False, False, True] and last.tolist() == [True, True, False, False]
 
 
 def trained_model(task, lengths, steps, seed=0, d=32):

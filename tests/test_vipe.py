@@ -5,6 +5,7 @@ Tolerances: float64 agrees to rounding (1e-10). float32: both paths round differ
 softmax of up to 97 terms and a log(n) factor up to ~4.6 on the logits; ~1e-6 seen, 1e-4 allowed."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -176,12 +177,18 @@ def test_the_three_rules_for_s():
     assert [compression("one", L, 16, 48) for L in (8, 20, 48)] == [1.0, 1.0, 1.0]
 
 
-def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
-    """A ViPE run with vipe_s=fixed: s = 1 in training, the other two rules evaluated first at every
-    length (s per length, then s = 1), then vipe_finetune steps with s = 48 / 16 = 3, then the lengths
-    beyond training with s = 3. The run's rows: length 8 at s = 1 (before fine-tuning), 48 at s = 3.
-    The layer records every s it sees, in training and in evaluation."""
+def protocol_run(tmp_path, steps=4, **opts):
+    """A tiny ViPE parity run on the CPU: trained to 16, tested at 8, 16 (the longest training length) and 48."""
     import cli
+    return cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=steps, opts=opts, lr=1e-2,
+                                d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=8, train_lengths=[16],
+                                test_lengths=[8, 16, 48], out=str(tmp_path)), "cpu")
+
+
+def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
+    """A ViPE run with vipe_s=fixed: s = 1 in training; the three rules evaluated at every length on the model as
+    trained (the fixed s = 48 / 16 = 3, s per length, s = 1); then vipe_finetune steps with s = 3; then every
+    length with s = 3 again. The layer records every s it sees, in training and in evaluation."""
     import train
     seen = []
     real = ViPEAttention.forward
@@ -191,21 +198,84 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
             seen.append((self.training, x.shape[1], float((ctx or {}).get("s", 1.0))))
         return real(self, x, ctx)
     monkeypatch.setattr(ViPEAttention, "forward", spy)
-    run = cli.make_config(dict(task="parity", method="vipe", device="cpu", steps=4, opts={"vipe_finetune": 3},
-                               d_model=32, n_heads=1, n_layers=1, batch_size=4, n_eval=2,
-                               train_lengths=[16], test_lengths=[8, 48], out=str(tmp_path)), "cpu")
-    metrics = train.train(run, log=lambda *_: None)
+    metrics = train.train(protocol_run(tmp_path, vipe_finetune=3), log=lambda *_: None)
     trained = [s for training, _, s in seen if training]
     assert trained == [1.0] * 4 + [3.0] * 3                     # 1 layer: one call per step
     tested = [(T, s) for training, T, s in seen if not training]
-    T8, T48 = 2 * 8 + 2, 2 * 48 + 2                              # [BoS] x [EoI] y: tokens per length
-    # per length: one pass per length (s differs); s = 1: both lengths share one padded pass; fixed: 48 only
-    assert tested == [(T8, 1.0), (T48, 3.0), (T48, 1.0), (T48, 3.0)]
-    assert set(metrics["eval_ablations"]) == {"s = 1, no fine-tuning", "s = L / L_train_max per length, no fine-tuning"}
-    assert [(r["length"], r["s"]) for r in metrics["eval_ablations"]["s = 1, no fine-tuning"]] == [(8, 1.0), (48, 1.0)]
-    assert [(r["length"], r["s"]) for r in metrics["eval"]] == [(8, 1.0), (48, 3.0)]
-    one = metrics["eval_ablations"]["s = 1, no fine-tuning"][0]
-    assert (metrics["eval"][0]["exact"], metrics["eval"][0]["token"]) == (one["exact"], one["token"])
+    T8, T16, T48 = 2 * 8 + 2, 2 * 16 + 2, 2 * 48 + 2             # [BoS] x [EoI] y: tokens per length
+    # the lengths of one s share a padded pass: fixed; per length (1, 1, 3); s = 1; after fine-tuning, fixed
+    assert tested == [(T48, 3.0), (T16, 1.0), (T48, 3.0), (T48, 1.0), (T48, 3.0)]
+    named = {"s = L_test_max / L_train_max, no fine-tuning": [3.0, 3.0, 3.0],
+             "s = L / L_train_max per length, no fine-tuning": [1.0, 1.0, 3.0], "s = 1, no fine-tuning": [1.0] * 3}
+    assert {k: [r["s"] for r in rows] for k, rows in metrics["eval_ablations"].items()} == named
+    assert all(r["model"] == "as trained" for rows in metrics["eval_ablations"].values() for r in rows)
+    assert [(r["length"], r["s"], r["model"]) for r in metrics["eval"]] == \
+        [(8, 3.0, "fine-tuned"), (16, 3.0, "fine-tuned"), (48, 3.0, "fine-tuned")]
+
+
+def test_the_papers_reading_scores_every_length_on_the_fine_tuned_model(tmp_path, monkeypatch):
+    """The paper's reading is one model's: its rows at the training lengths (8 and the longest, 16) come from
+    the same weights as the row at 48, those after fine-tuning (model.pt), not the weights as trained (the
+    checkpoint at the last step); the as-trained rows come from those. And the run's training accuracy, which
+    the paper's 0.85 bar reads, is that of the fine-tuned model."""
+    import train
+    real = train.evaluate
+
+    def fingerprint(net):
+        return round(sum(p.double().sum().item() for p in net.parameters()), 9)
+
+    def spy(net, *args, **kw):
+        return [{**r, "weights": fingerprint(net)} for r in real(net, *args, **kw)]
+    monkeypatch.setattr(train, "evaluate", spy)
+    cfg = protocol_run(tmp_path, vipe_finetune=3)
+    metrics = train.train(cfg, log=lambda *_: None)
+    as_trained = torch.load(cfg.run_dir() / train.CKPT, weights_only=False)["model"]
+    tuned = torch.load(cfg.run_dir() / "model.pt")
+    fp = {name: round(sum(t.double().sum().item() for t in w.values() if t.is_floating_point()), 9)
+          for name, w in (("trained", as_trained), ("tuned", tuned))}
+    assert fp["trained"] != pytest.approx(fp["tuned"], abs=1e-9)
+    assert [r["length"] for r in metrics["eval"]] == [8, 16, 48]
+    assert [r["weights"] for r in metrics["eval"]] == pytest.approx([fp["tuned"]] * 3, abs=1e-6)
+    for rows in metrics["eval_ablations"].values():
+        assert [r["weights"] for r in rows] == pytest.approx([fp["trained"]] * 3, abs=1e-6)
+    assert metrics["train_exact"] == pytest.approx(np.mean([r["exact"] for r in metrics["eval"][:2]]))
+
+
+def test_the_fine_tuning_runs_at_the_final_rate_with_a_fresh_optimiser_by_default(tmp_path, monkeypatch):
+    """Every fine-tuning step (the steps at s = 3) runs at the run's final learning rate, lr x min_lr_ratio, not
+    its peak, on a new AdamW whose moments start at zero; vipe_ft_optim=continued keeps training's optimiser
+    (its moments as training left them) and vipe_ft_lr sets the rate."""
+    import train
+    real = train.Step.__call__
+    steps = []
+
+    def spy(self, batch):
+        if self.s != 1.0:
+            group = self.opt.param_groups[0]
+            steps.append((float(group["lr"]), id(self.opt), len(self.opt.state)))
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", spy)
+    made = []
+    real_opt = train.make_optimizer
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: made.append(real_opt(*a)) or made[-1])
+    cfg = protocol_run(tmp_path / "a", vipe_finetune=3)
+    train.train(cfg, log=lambda *_: None)
+    final = cfg.lr * cfg.min_lr_ratio
+    assert [lr for lr, _, _ in steps] == pytest.approx([final] * 3) and final < cfg.lr
+    assert steps[0][1] == id(made[-1]) != id(made[0]) and steps[0][2] == 0          # fresh: no moments yet
+    steps.clear(), made.clear()
+    train.train(protocol_run(tmp_path / "b", vipe_finetune=3, vipe_ft_optim="continued", vipe_ft_lr=5e-3),
+                log=lambda *_: None)
+    assert [lr for lr, _, _ in steps] == pytest.approx([5e-3] * 3)
+    assert len(made) == 1 and steps[0][1] == id(made[0]) and steps[0][2] > 0         # training's, with its moments
+
+
+def test_the_fixed_s_can_be_set(tmp_path):
+    """vipe_s_fixed=2 fine-tunes and tests with s = 2 at every length; the as-trained fixed rows carry it too."""
+    import train
+    metrics = train.train(protocol_run(tmp_path, vipe_finetune=2, vipe_s_fixed=2.0), log=lambda *_: None)
+    assert [r["s"] for r in metrics["eval"]] == [2.0] * 3
+    assert [r["s"] for r in metrics["eval_ablations"]["s = L_test_max / L_train_max, no fine-tuning"]] == [2.0] * 3
 
 
 def test_a_ramped_fine_tuning_passes_s_rising_from_1_to_the_fixed_s(tmp_path, monkeypatch):
@@ -228,7 +298,7 @@ def test_a_ramped_fine_tuning_passes_s_rising_from_1_to_the_fixed_s(tmp_path, mo
     metrics = train.train(run, log=lines.append)
     assert seen == pytest.approx([1.0, 1.0, 5 / 3, 7 / 3, 3.0])
     assert [(r["length"], r["s"]) for r in metrics["eval"]] == [(48, 3.0)]
-    assert "  fine-tuned 3 steps with s = 48 / 16, ramped from 1" in lines
+    assert "  fine-tuned 3 steps with s = 3, ramped from 1" in lines
 
 
 def test_layer_modes():
@@ -326,3 +396,70 @@ def test_the_layer_computes_its_logits_in_float32_under_autocast():
     assert logit[0] > 100 and mixed.dtype == torch.float32
     assert torch.allclose(mixed, ref, atol=1e-5), (mixed - ref).abs().max()
     assert logit_mixed[0] == pytest.approx(logit[0], rel=1e-6)
+
+
+def test_the_bounded_codes_and_the_affine_logit_factor():
+    """vipe_code and vipe_g (the paper's hypotheses beside eq. 8-9): the naive path against the pairwise
+    formula; the PyTorch-ops path (E_n[i]) against the naive one for the code linear in i (over_n) and for g."""
+    B, H, T, D, dp = 2, 2, 9, 8, 3
+    q, k, v, u, w_p, b_p = [x.detach() for x in make_inputs(B, H, T, D, D - 1, dp)]
+    n = torch.arange(1, T + 1, dtype=torch.float64)
+    for code, want in (("tanh", lambda d: torch.tanh(d / (2.0 * vipe.TANH_SCALE))), ("over_n", lambda d: d / n[:, None])):
+        z = vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0, code=code)
+        zero_code = vipe_attention_naive(q, k, v, u, torch.zeros_like(w_p), torch.zeros_like(b_p), s=2.0, code=code)
+        a_v = zero_code[..., :D - 1]                                       # the attention part is the code's own
+        lin = vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0)
+        assert torch.allclose(z[..., :D - 1], a_v) and torch.allclose(lin[..., :D - 1], a_v)
+        d = want(n[:, None] - n[None, :]).tril()                           # (T, T) the code's distance
+        logits = (q @ k.transpose(-1, -2) / math.sqrt(D)) * 2.0 * torch.log(n)[:, None] * \
+            (1 + (k * u[:, None, :]).sum(-1))[..., None, :]
+        a = logits.masked_fill(~model.causal_mask(T, "cpu"), -math.inf).softmax(-1)
+        pos = (a * d).sum(-1)[..., None] * w_p[:, None, :] + b_p[:, None, :]
+        assert torch.allclose(z[..., D - 1:], pos, atol=1e-10), code
+    got = vipe.vipe_attention_torch(q, k, v, u, w_p, b_p, s=2.0, code="over_n", g=torch.tensor([2.5, 0.5]).double())
+    want = vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0, code="over_n", g=torch.tensor([2.5, 0.5]).double())
+    assert torch.allclose(got, want, atol=1e-10)
+    assert torch.allclose(vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0, g=torch.tensor([2.0, 2.0]).double()),
+                          vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0))
+    assert torch.allclose(vipe_attention(q, k, v, u, w_p, b_p, s=2.0, code="tanh"),
+                          vipe_attention_naive(q, k, v, u, w_p, b_p, s=2.0, code="tanh"))
+
+
+def test_the_affine_layer_starts_as_g_of_s_equal_to_s():
+    """vipe_g=affine learns a and b of g(s) = a s + b per head from a = 1, b = 0: at first the layer is the
+    paper's at any s; with a = 0.5, b = 1 its logit factor at s = 3 is 2.5 (the code still compressed by 3)."""
+    torch.manual_seed(0)
+    plain, affine = ViPEAttention(cfg()), ViPEAttention(cfg(vipe_g="affine"))
+    affine.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        plain.u.normal_(), affine.u.copy_(plain.u), plain.w_p.normal_(), affine.w_p.copy_(plain.w_p)
+    x = torch.randn(2, 10, 32)
+    assert torch.allclose(affine(x, {"s": 3.0}), plain(x, {"s": 3.0}), atol=1e-6)
+    with torch.no_grad():
+        affine.g_ab.copy_(torch.tensor([[0.5, 1.0]] * 2))
+    assert not torch.allclose(affine(x, {"s": 3.0}), plain(x, {"s": 3.0}), atol=1e-4)
+    B, T = x.shape[:2]
+    q, k = affine.qk(x).view(B, T, 2, 2, 16).permute(2, 0, 3, 1, 4)
+    v = affine.v(x).view(B, T, 2, 15).transpose(1, 2)
+    z = vipe_attention_naive(q, k, v, affine.u, affine.w_p, affine.b_p, 3.0, g=torch.tensor([2.5, 2.5]))
+    assert torch.allclose(affine(x, {"s": 3.0}), affine.out(z.transpose(1, 2).reshape(B, T, -1)), atol=1e-5)
+
+
+def test_evaluations_during_training_make_the_papers_reading_on_a_copy(tmp_path):
+    """With eval_every, each evaluation during training also fine-tunes a copy of the model with the fixed s and
+    reads every length with it ("final", the paper's reading at that checkpoint); the run itself is untouched:
+    its training losses and final rows are those of the same run without them."""
+    import dataclasses
+    import train
+    plain = train.train(protocol_run(tmp_path / "a", steps=6, vipe_finetune=2), log=lambda *_: None)
+    cfg = dataclasses.replace(protocol_run(tmp_path / "b", steps=6, vipe_finetune=2), eval_every=3)
+    during = train.train(cfg, log=lambda *_: None)
+    assert [h["step"] for h in during["history"]] == [3, 6]
+    for h in during["history"]:
+        assert [(r["length"], r["s"], r["model"]) for r in h["final"]] == \
+            [(8, 3.0, "fine-tuned"), (16, 3.0, "fine-tuned"), (48, 3.0, "fine-tuned")]
+        assert [r["s"] for r in h["eval"]] == [1.0] * 3
+    assert during["loss"] == plain["loss"]
+    assert [(r["exact"], r["token"]) for r in during["eval"]] == [(r["exact"], r["token"]) for r in plain["eval"]]
+    assert [(r["exact"], r["token"]) for r in during["history"][-1]["final"]] == \
+        [(r["exact"], r["token"]) for r in plain["eval"]]

@@ -225,7 +225,7 @@ def numeric_checks(cfg: TrainConfig):
     """(flag, value, within range, the range in words) for every number a run reads; every float is
     also finite (inf and nan compare false, so each range below excludes them)."""
     m = cfg.model
-    return [("--seeds", cfg.seed, cfg.seed >= 0, ">= 0"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
+    return [("--seeds", cfg.seed, 0 <= cfg.seed < 2 ** 32, "between 0 and 2^32 - 1"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
             ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
             ("--lr", cfg.lr, 0 < cfg.lr < math.inf, "> 0 and finite"),
             ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
@@ -863,6 +863,8 @@ def parse_opts(items: list[str], flag: str = "--task-opt") -> dict:
         if "=" not in item:
             raise UsageError(f"{flag} takes key=value, got {item!r}")
         k, v = item.split("=", 1)
+        if k in opts:
+            raise UsageError(f"{flag} sets {k} twice")
         try:
             opts[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -905,8 +907,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--task", help=f"one of: {', '.join(TASKS)}")
     g.add_argument("--method", help=f"one of: {', '.join(METHODS)}")
     g.add_argument("--methods", help="several methods, comma-separated")
-    g.add_argument("--seeds", help="comma-separated seeds (default 0); with --reproduce: only these of the "
-                   "experiment's seeds (its table then stands on them, e.g. 3 of ViPE's 8)")
+    g.add_argument("--seeds", help="comma-separated seeds, ranges allowed (default 0); with --reproduce: the "
+                   "experiment on these seeds, its own or any others (its table, reproduce/NAME-seedsS.md, then "
+                   "stands on them and says which are not the experiment's)")
     g.add_argument("--labels", metavar="RUN,...", help="with --reproduce: only these of the experiment's runs, "
                    "by folder name (e.g. vipe-L3,nope-L3; task/name for one task's); its table and verdict then "
                    "stand on them")
@@ -1070,6 +1073,8 @@ def run_cli(args) -> int:
 
 def configs_of(args, device: str, preset_name: str) -> list[TrainConfig]:
     """The runs of a command without --reproduce: one per method and seed."""
+    if args.methods and args.method:
+        raise UsageError("give --method or --methods, not both")
     methods = parse_list(args.methods, str, "--methods") or ([args.method] if args.method else None)
     if not methods or not args.task:
         raise UsageError("give --task and --method (or --methods, or --reproduce NAME); see --help")
@@ -1171,7 +1176,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     EXPERIMENTS = {name: some_runs(some_seeds(experiments.at_budget(experiments.EXPERIMENTS[name], budget), name,
                                               args.seeds), name, args.labels)
                    for name in names}
-    suffix = "" if budget == "quick" else f"-{budget}"
+    suffix = ("" if budget == "quick" else f"-{budget}") + seeds_suffix(args.seeds)
     if args.partial and (args.shard or args.runs or args.force or args.plan or args.commands):
         raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force, "
                          "--plan and --commands")
@@ -1265,18 +1270,25 @@ def reproduce(args, device: str, preset_name: str) -> int:
 
 
 def some_seeds(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:
-    """The experiment on the seeds of --seeds only (all of its seeds if None), in its own order."""
+    """The experiment on the seeds of --seeds (all of its own if None): its own in its order, or any others
+    (to check a verdict on seeds it did not choose), the table then saying which are not its own."""
     if text is None:
         return exp
     chosen = parse_list(text, int, "--seeds")
-    if len(set(chosen)) < len(chosen) or not set(chosen) <= set(exp.seeds):
-        raise UsageError(f"--seeds with --reproduce takes distinct seeds of the experiment's own ({name}: "
-                         f"{', '.join(map(str, exp.seeds))}), got {text!r}")
+    if len(set(chosen)) < len(chosen):
+        raise UsageError(f"--seeds with --reproduce takes distinct seeds, got {text!r}")
     if set(chosen) == set(exp.seeds):
         return exp
-    seeds = [s for s in exp.seeds if s in chosen]
-    return dataclasses.replace(exp, seeds=seeds, scaled=f"{exp.scaled}; this table: seeds {', '.join(map(str, seeds))} "
-                               f"of its {', '.join(map(str, exp.seeds))}")
+    own = [s for s in exp.seeds if s in chosen]
+    new = [s for s in chosen if s not in exp.seeds]
+    say = f"; this table: seeds {', '.join(map(str, own + new))}"
+    say += f" ({', '.join(map(str, new))} not the experiment's own: " if new else " ("
+    return dataclasses.replace(exp, seeds=own + new, scaled=f"{exp.scaled}{say}its seeds are {', '.join(map(str, exp.seeds))})")
+
+
+def seeds_suffix(text: str | None) -> str:
+    """The name a table of --seeds gets beside the experiment's own: "-seeds100-104" (the text as given)."""
+    return "" if text is None else "-seeds" + "".join(c if c.isdigit() or c in "-," else "" for c in text).replace(",", "_")
 
 
 def some_runs(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:

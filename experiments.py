@@ -675,7 +675,10 @@ EXPERIMENTS: dict[str, Experiment] = {
 # The verdict: does the claim hold in these runs?
 # =============================================================================================
 
-MIN_SEEDS = 3
+MIN_SEEDS = 3     # fewer seeds on a side: the check is inconclusive whatever its interval says
+LEVEL = 0.90      # the verdict's intervals: 90 % percentile bootstrap
+N_BOOT = 10_000   # bootstrap resamples (from a fixed generator: a verdict is a function of the seeds' values)
+Z = 1.645         # the normal quantile of LEVEL (two-sided), for the seeds a spread suggests
 
 
 def seed_values(out: Path, run: str, selector, metric: str, only: list[int] | None = None) -> dict[int, float]:
@@ -685,54 +688,89 @@ def seed_values(out: Path, run: str, selector, metric: str, only: list[int] | No
             if (v := one_seed(m["eval"], m["train_max_length"], selector, metric)) is not None}
 
 
+def bootstrap(a, b=None, level: float = LEVEL, n: int = N_BOOT) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a), or of mean(a) - mean(b) with each side's seeds resampled
+    on their own."""
+    rng = np.random.default_rng(0)
+    draw = lambda x: np.asarray(x, float)[rng.integers(0, len(x), (n, len(x)))].mean(1)  # noqa: E731
+    stat = draw(a) - (draw(b) if b is not None else 0.0)
+    lo, hi = np.quantile(stat, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def check_outcome(a: list | float, b: list | float, lower: bool = False) -> tuple[str, tuple, str]:
+    """One check of a claim, "a does better than b", a and b each a run's seed values or a number (a
+    threshold): the interval of mean(a) - mean(b) and "holds" when it excludes zero in the claim's direction
+    (better = higher, or lower for errors), "fails" when it excludes zero the other way, else "inconclusive";
+    the third item says, for an inconclusive check, how many seeds a side the observed spread suggests."""
+    runs = [x for x in (a, b) if not isinstance(x, (int, float))]
+    if len(runs) == 2:
+        lo, hi = bootstrap(a, b)
+    else:
+        run, sign = (a, 1.0) if runs[0] is a else (b, -1.0)
+        c = b if runs[0] is a else a
+        lo, hi = sorted(sign * (x - c) for x in bootstrap(run))
+    d = float(np.mean(a) - np.mean(b)) * (-1 if lower else 1)           # in the claim's direction
+    there = sorted(-x for x in (lo, hi)) if lower else [lo, hi]
+    n = min(len(r) for r in runs)
+    if n >= MIN_SEEDS and there[0] > 0:
+        return "holds", (lo, hi), ""
+    if n >= MIN_SEEDS and there[1] < 0:
+        return "fails", (lo, hi), ""
+    var = sum(float(np.var(r, ddof=1)) if len(r) > 1 else float("nan") for r in runs)
+    if d <= 0 or not np.isfinite(var):
+        need = "the means do not favour the claim" if d <= 0 else "one seed shows no spread"
+    else:
+        need = f"about {max(MIN_SEEDS, math.ceil(Z * Z * var / (d * d)))} seeds a run would decide it at this spread"
+    return "inconclusive", (lo, hi), need
+
+
 def verdict(exp: Experiment, out: Path) -> tuple[str, list[str]]:
-    """The verdict rule for an experiment's claim (exp.checks): a comparison of two runs holds
-    when it holds in the mean over the seeds both ran and in at least two thirds of them (2 of 3); a
-    threshold holds in the mean. "yes" when every check holds, "no" when none does, else "partly";
-    no verdict with fewer than MIN_SEEDS seeds or a run missing. Returns it and one line per check."""
+    """The verdict on an experiment's claim (exp.checks), from a 90 % percentile-bootstrap interval over seeds
+    per check (check_outcome; a comparison over the seeds both runs ran): "yes" when every check holds,
+    "partly" when some do, "no" when none holds and one fails, "inconclusive" when none holds and none fails;
+    no verdict with a run missing. A check on fewer than MIN_SEEDS seeds a run is inconclusive. Returns it
+    and one line per check."""
     if not exp.checks:
         return "no verdict (the claim has no checks)", []
-    lines, held, short = [], [], []
+    lines, outcomes, missing, fewest = [], [], False, math.inf
     for a, b, col in exp.checks:
         name, selector, metric = exp.columns[col]
         lower = metric == "error"                             # lower is better for errors only
-        beats = (lambda x, y: x < y) if lower else (lambda x, y: x > y)  # noqa: E731
         runs = {x: seed_values(out, x, selector, metric, exp.seeds) for x in (a, b) if isinstance(x, str)}
         if any(not v for v in runs.values()):
             lines.append(f"{a} vs {b} in {name}: " + ", ".join(f"{x} not run" for x, v in runs.items() if not v))
-            short.append(True)
-            held.append(False)
+            missing = True
             continue
-        if len(runs) == 2:                     # like with like: means and wins over the seeds both ran
+        if len(runs) == 2:                     # like with like: the seeds both ran
             both = sorted(set(runs[a]) & set(runs[b]))
             runs = {x: {k: v[k] for k in both} for x, v in runs.items()}
-        mean = {x: float(np.mean(list(v.values()))) if v else float("nan") for x, v in runs.items()}
+        vals = {x: list(v.values()) for x, v in runs.items()}
+        outcome, (lo, hi), need = check_outcome(vals.get(a, a), vals.get(b, b), lower)
+        mean = {x: float(np.mean(v)) for x, v in vals.items()}
         va, vb = mean.get(a, a), mean.get(b, b)
-        ok = beats(va, vb)
+        d = 3                                  # more digits where three would print a difference as a tie
+        while d < 6 and va != vb and f"{va:.{d}f}" == f"{vb:.{d}f}":
+            d += 1
+        word = "below" if lower else "above"
         if isinstance(a, str) and isinstance(b, str):
-            d = 3                              # more digits where three would print a difference as a tie
-            while d < 6 and va != vb and f"{va:.{d}f}" == f"{vb:.{d}f}":
-                d += 1
-            say = f"{a} {'below' if lower else 'above'} {b} in {name}: mean {va:.{d}f} vs {vb:.{d}f}"
+            say = f"{a} {word} {b} in {name}: mean {va:.{d}f} vs {vb:.{d}f}, difference"
         elif isinstance(a, str):
-            say = f"{a} {'below' if lower else 'above'} {b:g} in {name}: mean {va:.3f}"
+            say = f"{a} {word} {b:g} in {name}: mean {va:.3f}, minus {b:g}"
         else:
-            say = f"{b} {'above' if lower else 'below'} {a:g} in {name}: mean {vb:.3f}"
-        n_seeds = min(len(v) for v in runs.values())
-        if len(runs) == 2:
-            wins = sum(beats(runs[a][k], runs[b][k]) for k in both)
-            ok = ok and 3 * wins >= 2 * len(both)
-            n_seeds = len(both)
-            say += f"; {wins} of {len(both)} seeds"
-        short.append(n_seeds < MIN_SEEDS)
-        held.append(ok)
-        lines.append(say + (" -- holds" if ok else " -- does not hold") + (f" ({n_seeds} seeds)" if n_seeds < MIN_SEEDS
-                                                                             else ""))
-    if any(short):
-        word = f"no verdict (fewer than {MIN_SEEDS} seeds, or a run missing)"
-    else:
-        word = "yes" if all(held) else "no" if not any(held) else "partly"
-    return f"{word}: {sum(held)} of {len(held)} checks hold", lines
+            say = f"{b} {'above' if lower else 'below'} {a:g} in {name}: mean {vb:.3f}, {a:g} minus it"
+        n_seeds = min(len(v) for v in vals.values())
+        fewest = min(fewest, n_seeds)
+        outcomes.append(outcome)
+        lines.append(f"{say} [{int(100 * LEVEL)} %: {lo:+.{d}f} to {hi:+.{d}f}]; {n_seeds} seeds -- {outcome}"
+                     + (f" ({need})" if need else ""))
+    if missing:
+        return f"no verdict (a run missing): {outcomes.count('holds')} of {len(exp.checks)} checks hold", lines
+    held, failed = outcomes.count("holds"), outcomes.count("fails")
+    word = "yes" if held == len(outcomes) else "partly" if held else "no" if failed else "inconclusive"
+    open_ = len(outcomes) - held - failed
+    return (f"{word}: {held} of {len(outcomes)} checks hold"
+            + (f", {open_} inconclusive ({fewest} seeds)" if open_ else "")), lines
 
 
 def experiment_table(name: str, exp: Experiment, out: Path) -> str:
@@ -772,8 +810,9 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
     if not exp.checks:
         return "\n".join(lines)
     word, checks = verdict(exp, out)
-    lines += ["", "Verdict (each comparison in the mean over the seeds both ran and in two thirds of them (2 of 3, "
-                  f"4 of 5), a threshold in the mean; last checkpoints): **{word}**", ""] + [f"- {c}" for c in checks]
+    lines += ["", f"Verdict (last checkpoints; a check holds when the {int(100 * LEVEL)} % bootstrap interval over "
+                  "seeds of the difference, or of the mean minus a threshold, excludes zero in the claim's direction, "
+                  f"and fails when it excludes zero the other way): **{word}**", ""] + [f"- {c}" for c in checks]
     return "\n".join(lines)
 
 
@@ -839,23 +878,27 @@ def examples_note(points: list[dict]) -> str:
     return f", {sum(ns)} examples, {min(ns)}-{max(ns)} per length"
 
 
-def seed_spread(evals: list[list[dict]], top: int, selector, metric: str):
+def seed_spread(evals: list[list[dict]], top: int, selector, metric: str, values: bool = False):
     """(mean, lowest, highest) over seeds of one column, from each seed's rows (its evaluation points): each
     seed's value over the column's points first, so the range is the seeds' own lowest and highest value (the
-    per-point lowest and highest, averaged over a range of lengths, would be wider than any seed); or None."""
-    values = [one_seed(rows, top, selector, metric) for rows in evals]
-    if not values or None in values:
+    per-point lowest and highest, averaged over a range of lengths, would be wider than any seed); or None.
+    values=True: the seeds' values instead."""
+    vals = [one_seed(rows, top, selector, metric) for rows in evals]
+    if not vals or None in vals:
         return None
-    return float(np.mean(values)), min(values), max(values)
+    return vals if values else (float(np.mean(vals)), min(vals), max(vals))
 
 
 def column_value(evals: list[list[dict]], top: int, selector, metric: str) -> str:
-    """Mean over seeds (min-max) of one column, as text (seed_spread)."""
-    nums = seed_spread(evals, top, selector, metric)
-    if nums is None:
+    """Mean over seeds [its 90 % bootstrap interval] (min-max) of one column, as text (seed_spread); the
+    interval from 2 seeds on."""
+    vals = seed_spread(evals, top, selector, metric, values=True)
+    if vals is None:
         return "-"
-    return f"{nums[0]:.2f} ({nums[1]:.2f}-{nums[2]:.2f})" if metric == "error" else \
-        f"{nums[0]:.3f} ({nums[1]:.2f}-{nums[2]:.2f})"
+    f = ".2f" if metric == "error" else ".3f"
+    mean, interval = float(np.mean(vals)), (bootstrap(vals) if len(vals) > 1 else None)
+    return f"{mean:{f}}" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "") + \
+        f" ({min(vals):.2f}-{max(vals):.2f})"
 
 
 def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:

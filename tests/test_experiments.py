@@ -227,12 +227,16 @@ def test_best_seed_says_when_no_seed_fits(tmp_path):
 def test_a_columns_range_is_the_seeds_own_lowest_and_highest_value():
     """Two seeds, each right at one of two lengths beyond the training length and wrong at the other: each
     seed's value beyond is 0.5, so the column reads 0.500 (0.50-0.50); each length's lowest and highest seed,
-    averaged over the lengths, would read (0.00-1.00), a spread no seed has."""
+    averaged over the lengths, would read (0.00-1.00), a spread no seed has. In brackets the 90 % bootstrap
+    interval of the mean: of two seeds' values x and y the resampled means are x, (x + y) / 2 and y, with
+    probabilities 1/4, 1/2, 1/4, so it runs from the lower to the higher; one seed has none."""
     def rows(a, b):
         return [{"name": str(L), "length": L, "variant": None, "n": 10, "exact": e, "token": e}
                 for L, e in ((11, a), (12, b))]
-    assert experiments.column_value([rows(1.0, 0.0), rows(0.0, 1.0)], 10, "beyond", "exact") == "0.500 (0.50-0.50)"
-    assert experiments.column_value([rows(1.0, 1.0), rows(0.0, 0.5)], 10, "beyond", "exact") == "0.625 (0.25-1.00)"
+    assert experiments.column_value([rows(1.0, 0.0), rows(0.0, 1.0)], 10, "beyond", "exact") == "0.500 [0.50-0.50] (0.50-0.50)"
+    assert experiments.column_value([rows(1.0, 1.0), rows(0.0, 0.5)], 10, "beyond", "exact") == \
+        "0.625 [0.25-1.00] (0.25-1.00)"
+    assert experiments.column_value([rows(1.0, 1.0)], 10, "beyond", "exact") == "1.000 (1.00-1.00)"
     assert experiments.column_value([rows(1.0, 1.0)], 12, "beyond", "exact") == "-"      # no point beyond 12
 
 
@@ -339,29 +343,50 @@ def test_shards_train_exactly_their_runs_and_the_table_waits_for_all(capsys, tmp
 
 
 def test_seeds_pick_some_of_the_experiments_seeds_and_the_table_stands_on_them(capsys, tmp_path, monkeypatch):
-    """--seeds 1 trains seed 1 of each run only and writes the table from it, saying which seeds it
-    stands on, also once seed 0 is present; a seed the experiment does not have, or one named twice,
-    is one line and trains nothing. The best-seed row and the verdict stand on the same seeds."""
+    """--seeds 1 trains seed 1 of each run only and writes the table (reproduce/tiny-seeds1.md) from it, saying
+    which seeds it stands on, also once seed 0 is present; a seed named twice or not a number is one line and
+    trains nothing. The best-seed row and the verdict stand on the same seeds; the experiment's own table is
+    tiny.md."""
     out = tiny_seeded(tmp_path, monkeypatch)
     monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
         experiments.EXPERIMENTS["tiny"], select=("best_seed",), checks=[("copy/rope", "copy/nope", 0)]))
     args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
-    for bad in ("2", "1,1", "0,x"):
+    for bad in ("1,1", "0,x", "99999999999999999999"):
         code, _, err = run_cli(capsys, *args, "--seeds", bad)
         assert code == 2 and len(err.strip().splitlines()) == 1 and not out.exists(), (bad, err)
     code, stdout, _ = run_cli(capsys, *args, "--seeds", "1")
     assert code == 0 and "2 runs; 2 to train" in stdout and present(out) == ["copy/nope/seed1", "copy/rope/seed1"]
-    table = (out / "reproduce" / "tiny.md").read_text()
-    assert "this table: seeds 1 of its 0, 1" in table and "| 1 | cpu" in table
+    table = (out / "reproduce" / "tiny-seeds1.md").read_text()
+    assert "this table: seeds 1 (its seeds are 0, 1)" in table and "| 1 | cpu" in table
     code, stdout, _ = run_cli(capsys, *args, "--seeds", "1,0", "--plan")   # all of them: the experiment as it is
     assert code == 0 and "4 runs; 2 to train" in stdout
     code, stdout, _ = run_cli(capsys, *args)
     assert code == 0 and "| 2 | cpu" in (out / "reproduce" / "tiny.md").read_text()
     code, stdout, _ = run_cli(capsys, *args, "--seeds", "1")                # seed 0 present: left out all the same
-    table = (out / "reproduce" / "tiny.md").read_text()
+    table = (out / "reproduce" / "tiny-seeds1.md").read_text()
     assert code == 0 and "0 to train" in stdout and "| 1 | cpu" in table and "| 2 |" not in table
-    assert "best of 1 seeds" in table and "of 1 seeds -- " in table
+    assert "best of 1 seeds" in table and "; 1 seeds -- " in table
     assert json.loads((out / "copy" / "nope" / "metrics.json").read_text())["seeds"] == [1]
+
+
+def test_seeds_outside_the_experiments_train_and_table_exactly_those(capsys, tmp_path, monkeypatch):
+    """--seeds 100-101, seeds the experiment never chose: the plan lists exactly those runs, they train into
+    seed100/ and seed101/ beside the experiment's own, and the table, reproduce/tiny-seeds100-101.md, stands on
+    them alone and says they are not the experiment's; tiny.md is left as it was."""
+    out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], checks=[("copy/rope", "copy/nope", 0)]))
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    code, stdout, _ = run_cli(capsys, *args, "--seeds", "100-101", "--plan")
+    planned = sorted(Path(line.split()[2]).relative_to(out).as_posix() for line in stdout.splitlines() if "/seed" in line)
+    assert code == 0 and "4 runs; 4 to train" in stdout and not out.exists(), stdout
+    assert planned == ["copy/nope/seed100", "copy/nope/seed101", "copy/rope/seed100", "copy/rope/seed101"], planned
+    code, _, _ = run_cli(capsys, *args, "--seeds", "100-101")
+    assert code == 0 and present(out) == ["copy/nope/seed100", "copy/nope/seed101", "copy/rope/seed100",
+                                          "copy/rope/seed101"]
+    table = (out / "reproduce" / "tiny-seeds100-101.md").read_text()
+    assert "this table: seeds 100, 101 (100, 101 not the experiment's own: its seeds are 0, 1)" in table
+    assert "| 2 | cpu" in table and "; 2 seeds -- " in table and not (out / "reproduce" / "tiny.md").exists()
 
 
 def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them(capsys, tmp_path, monkeypatch):
@@ -383,7 +408,7 @@ def test_labels_pick_some_of_the_experiments_runs_and_the_verdict_stands_on_them
     assert code == 0 and "2 runs; 2 to train" in stdout and present(out) == ["copy/rope/seed0", "copy/rope/seed1"]
     table = (out / "reproduce" / "tiny.md").read_text()
     assert "this table: the runs copy/rope alone" in table and "copy/nope" not in table
-    assert "0 of 1 checks hold**" in table and "- copy/rope above 2 in len 2" in table   # 2 seeds: no verdict
+    assert "0 of 1 checks hold, 1 inconclusive (2 seeds)**" in table and "- copy/rope above 2 in len 2" in table
     figure = out / "reproduce" / "tiny-copy.png"                   # the experiment's runs, here rope's alone
     rope_alone = figure.read_bytes()
     assert rope_alone == (out / "copy" / "extrapolation.png").read_bytes()
@@ -1029,39 +1054,62 @@ def write_seed(out, run, seed, exact_beyond, token=None):
     path.write_text(json.dumps({"seed": seed, "eval": rows, "train_max_length": 1}))
 
 
-def test_verdict_follows_the_rule_mean_and_two_of_three_seeds(tmp_path):
-    """A comparison holds in the mean AND in 2 of 3 seeds; a threshold in the mean; a tie does not hold;
-    fewer than 3 seeds or a missing run give no verdict; errors compare the other way round."""
-    for seed, (a, b) in enumerate([(0.9, 0.1), (0.8, 0.2), (0.1, 0.3)]):
-        write_seed(tmp_path, "t/a", seed, a)   # a beats b in 2 of 3 seeds and in the mean (0.60 vs 0.20)
+def test_a_check_holds_when_its_bootstrap_interval_excludes_zero():
+    """The rule on hand-made seeds: a clear win holds, a tie and a win by less than the spread between seeds are
+    inconclusive (the second says how many seeds its spread suggests), a clear loss fails, one seed is
+    inconclusive whatever its value; a threshold holds when the whole interval of the mean clears it; errors
+    compare the other way round."""
+    win, lose, tie = [0.9, 0.8, 0.85, 0.95, 0.9], [0.1, 0.2, 0.15, 0.05, 0.1], [0.5, 0.4, 0.6, 0.5, 0.45]
+    assert experiments.check_outcome(win, lose)[0] == "holds"
+    assert experiments.check_outcome(lose, win)[0] == "fails"
+    outcome, (lo, hi), need = experiments.check_outcome(tie, [0.45, 0.55, 0.5, 0.4, 0.6])
+    assert outcome == "inconclusive" and lo < 0 < hi and need == "the means do not favour the claim"
+    close = [0.52, 0.4, 0.6, 0.5, 0.45]          # 0.014 above tie's mean, spread 0.07-0.08: about 155 seeds a run
+    outcome, _, need = experiments.check_outcome(close, tie)
+    assert outcome == "inconclusive" and need.startswith("about ") and int(need.split()[1]) > 50, need
+    assert experiments.check_outcome([1.0], [0.0])[0] == "inconclusive"                   # 1 seed
+    assert experiments.check_outcome([0.9, 0.95], [0.1, 0.05])[0] == "inconclusive"       # below MIN_SEEDS
+    assert experiments.check_outcome(win, 0.7)[0] == "holds" and experiments.check_outcome(win, 0.85)[0] == "inconclusive"
+    assert experiments.check_outcome(0.5, lose)[0] == "holds" and experiments.check_outcome(0.12, lose)[0] == "inconclusive"
+    assert experiments.check_outcome(lose, win, lower=True)[0] == "holds"                 # errors: lower wins
+    assert experiments.check_outcome(lose, 0.5, lower=True)[0] == "holds"
+    lo, hi = experiments.bootstrap(win, lose)
+    assert lo == pytest.approx(0.7, abs=0.03) and hi == pytest.approx(0.83, abs=0.03)   # 0.77 +- about 1.6 SE
+
+
+def test_verdict_follows_the_bootstrap_rule(tmp_path):
+    """An experiment's verdict: yes when every check holds, partly when some do, no when none holds and one
+    fails, inconclusive when none holds and none fails; no verdict with a run missing; each check's line gives
+    the means, the interval and its outcome; seeds outside the experiment's are left out."""
+    for seed, (a, b, e) in enumerate([(0.9, 0.1, 0.3), (0.8, 0.2, 0.1), (0.85, 0.3, 0.2)]):
+        write_seed(tmp_path, "t/a", seed, a)   # a clearly above b
         write_seed(tmp_path, "t/b", seed, b)
-        write_seed(tmp_path, "t/e", seed, b)   # e ties with b
+        write_seed(tmp_path, "t/e", seed, e)   # e level with b
     exp = lambda checks, metric="exact": experiments.Experiment(  # noqa: E731
         claim="", runs=[], columns=[("beyond", (2, 2), metric)], paper={}, scaled="", checks=checks, seeds=[0, 1, 2])
-    assert experiments.verdict(exp([("t/a", "t/b", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
-    assert experiments.verdict(exp([("t/b", "t/a", 0)]), tmp_path)[0].startswith("no: 0 of 1")
-    word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/a", 0.7, 0), ("t/e", "t/b", 0)]), tmp_path)
-    assert word.startswith("partly: 1 of 3") and "t/a above 0.7 in beyond: mean 0.600 -- does not hold" in lines[1]
-    assert "2 of 3 seeds -- holds" in lines[0] and "0 of 3 seeds -- does not hold" in lines[2]   # a tie
-    write_seed(tmp_path, "t/d", 0, 0.9)
-    write_seed(tmp_path, "t/d", 1, 0.0)
-    write_seed(tmp_path, "t/d", 2, 0.0)       # mean 0.30 beats b's 0.20, but in 1 of 3 seeds only
-    assert experiments.verdict(exp([("t/d", "t/b", 0)]), tmp_path)[0].startswith("no: 0 of 1")
-    # error % (100 x (1 - token accuracy)): lower is better, a's 40 % below b's 80 %
+    word, lines = experiments.verdict(exp([("t/a", "t/b", 0)]), tmp_path)
+    assert word == "yes: 1 of 1 checks hold" and lines[0].startswith("t/a above t/b in beyond: mean 0.850 vs 0.200")
+    assert lines[0].endswith("; 3 seeds -- holds") and "[90 %: +0.5" in lines[0], lines
+    assert experiments.verdict(exp([("t/b", "t/a", 0)]), tmp_path)[0] == "no: 0 of 1 checks hold"
+    word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/a", 0.9, 0), ("t/e", "t/b", 0)]), tmp_path)
+    assert word == "partly: 1 of 3 checks hold, 1 inconclusive (3 seeds)", word
+    assert "t/a above 0.9 in beyond: mean 0.850, minus 0.9" in lines[1] and lines[1].endswith("-- fails")
+    assert "-- inconclusive (" in lines[2]
+    word, _ = experiments.verdict(exp([("t/e", "t/b", 0)]), tmp_path)
+    assert word == "inconclusive: 0 of 1 checks hold, 1 inconclusive (3 seeds)"
     word, lines = experiments.verdict(exp([("t/a", "t/b", 0), ("t/b", "t/a", 0)], "error"), tmp_path)
-    assert word.startswith("partly: 1 of 2") and lines[0].startswith("t/a below t/b in beyond: mean 40.000 vs 80.000")
-    assert experiments.verdict(exp([("t/a", "t/missing", 0)]), tmp_path)[0].startswith("no verdict")
+    assert word == "partly: 1 of 2 checks hold" and lines[1].startswith("t/b below t/a in beyond: mean 80.000 vs 15.000")
+    assert experiments.verdict(exp([("t/a", "t/missing", 0)]), tmp_path)[0].startswith("no verdict (a run missing)")
     write_seed(tmp_path, "t/two", 0, 1.0)
     write_seed(tmp_path, "t/two", 1, 1.0)
-    assert experiments.verdict(exp([("t/two", "t/b", 0)]), tmp_path)[0].startswith("no verdict")
-    write_seed(tmp_path, "t/f", 0, 0.0)     # seed 3 is not the experiment's: the verdict leaves it out
-    for seed, v in ((1, 0.0), (2, 0.0), (3, 1.0)):
+    assert experiments.verdict(exp([("t/two", "t/b", 0)]), tmp_path)[0].startswith("inconclusive")   # 2 seeds
+    for seed, v in ((0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)):   # seed 3 is not the experiment's: left out
         write_seed(tmp_path, "t/f", seed, v)
     assert experiments.verdict(exp([("t/b", "t/f", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
 
 
 def test_verdict_compares_two_runs_over_the_seeds_both_ran(tmp_path):
-    """With more seeds in one run than in the other (--partial), the means are over the seeds both have:
+    """With more seeds in one run than in the other (--partial), a comparison is over the seeds both have:
     a's two extra seeds would lift its mean over all of its own seeds (0.600) above b's (0.567)."""
     for seed, v in enumerate([0.5, 0.5, 0.0, 1.0, 1.0]):
         write_seed(tmp_path, "t/a", seed, v)
@@ -1070,22 +1118,24 @@ def test_verdict_compares_two_runs_over_the_seeds_both_ran(tmp_path):
     exp = experiments.Experiment(claim="", runs=[], columns=[("beyond", (2, 2), "exact")], paper={}, scaled="",
                                  checks=[("t/a", "t/b", 0), ("t/a", 0.55, 0)], seeds=[0, 1, 2, 3, 4])
     word, lines = experiments.verdict(exp, tmp_path)
-    assert lines[0] == "t/a above t/b in beyond: mean 0.333 vs 0.567; 2 of 3 seeds -- does not hold", lines
-    assert lines[1] == "t/a above 0.55 in beyond: mean 0.600 -- holds", lines   # a threshold: all of a's seeds
-    assert word.startswith("partly: 1 of 2")
+    assert lines[0].startswith("t/a above t/b in beyond: mean 0.333 vs 0.567, difference"), lines
+    assert lines[1].startswith("t/a above 0.55 in beyond: mean 0.600, minus 0.55"), lines  # all of a's seeds
+    assert "; 5 seeds -- " in lines[1] and "; 3 seeds -- " in lines[0]
 
 
 def test_verdict_prints_the_digits_that_tell_two_close_means_apart(tmp_path):
     """Means that round to the same three decimals print with more, so a holding check never reads as a tie."""
     for seed in range(3):
         write_seed(tmp_path, "t/a", seed, 1.0)
-        write_seed(tmp_path, "t/b", seed, 0.9997)
+        write_seed(tmp_path, "t/b", seed, 0.9997 - 0.0001 * seed)
         write_seed(tmp_path, "t/c", seed, 1.0)
     exp = experiments.Experiment(claim="", runs=[], columns=[("beyond", (2, 2), "exact")], paper={}, scaled="",
                                  checks=[("t/a", "t/b", 0), ("t/a", "t/c", 0)], seeds=[0, 1, 2])
     lines = experiments.verdict(exp, tmp_path)[1]
-    assert lines[0] == "t/a above t/b in beyond: mean 1.0000 vs 0.9997; 3 of 3 seeds -- holds", lines
-    assert lines[1] == "t/a above t/c in beyond: mean 1.000 vs 1.000; 0 of 3 seeds -- does not hold", lines
+    assert lines[0].startswith("t/a above t/b in beyond: mean 1.0000 vs 0.9996, difference [90 %: +0.0003"), lines
+    assert lines[0].endswith("-- holds"), lines
+    assert lines[1].startswith("t/a above t/c in beyond: mean 1.000 vs 1.000"), lines
+    assert lines[1].endswith("-- inconclusive (the means do not favour the claim)"), lines
 
 
 def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
@@ -1115,13 +1165,16 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
     import re
     root = Path(__file__).resolve().parents[1]
     rows = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `")
-            and re.search(r"checks\) / [^|]+\|\s*$", line)]
+            and re.search(r"checks(; \d+ inconclusive)?\) / [^|]+\|\s*$", line)]
     assert len(rows) == len(experiments.EXPERIMENTS)
 
-    def cell(exp):
+    def cell(exp, labels=None):
         word, _ = experiments.verdict(exp, root / "docs" / "results")
-        head, held, total = re.match(r"(.*?): (\d+) of (\d+) checks hold", word).groups()
-        return f"{head if head in ('yes', 'no', 'partly') else 'none, < 3 seeds'} ({held}/{total} checks)"
+        head, held, total, open_ = re.match(r"(.*?): (\d+) of (\d+) checks hold(?:, (\d+) inconclusive)?",
+                                            word).groups()
+        head = head if head in ("yes", "no", "partly", "inconclusive") else "no verdict"
+        return f"{head} ({held}/{total} checks" + (f" of {labels}" if labels else "") + \
+            (f"; {open_} inconclusive" if open_ else "") + ")"
     for line in rows:
         name = line.split("`")[1]
         exp = experiments.EXPERIMENTS[name]
@@ -1130,13 +1183,13 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
         if exp.full is None:
             assert full == "no full setup", name
         elif full == "not run":
-            assert not cell(experiments.at_budget(exp, "full")).startswith(("yes", "no ", "partly")), name
+            assert cell(experiments.at_budget(exp, "full")).startswith("no verdict"), name
         else:                                  # "no (0/2 checks of vipe-L3, nope-L3)": a table of some runs
             full_exp = experiments.at_budget(exp, "full")
-            if " checks of " in full:
-                full, labels = full.rstrip(")").split(" checks of ")
-                full, full_exp = full + " checks)", cli.some_runs(full_exp, name, labels.replace(" ", ""))
-            assert full == cell(full_exp), (name, full)
+            labels = re.search(r" checks of ([^;)]+)", full)
+            if labels:
+                full_exp = cli.some_runs(full_exp, name, labels.group(1).replace(" ", ""))
+            assert full == cell(full_exp, labels and labels.group(1)), (name, full)
 
 
 def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):

@@ -46,7 +46,11 @@ def one_line_error(code, err, message):
 # ---- bad input: one line, exit status 2, nothing written -------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--method", "rope", "--seeds", "-1"], "--seeds must be >= 0, got -1"),
+    (["--method", "rope", "--seeds", "-1"], "--seeds must be between 0 and 2^32 - 1, got -1"),
+    (["--method", "rope", "--seeds", "99999999999999999999"], "--seeds must be between 0 and 2^32 - 1, got 9999"),
+    (["--methods", "rope,nope", "--method", "alibi"], "give --method or --methods, not both"),
+    (["--method", "rope", "--task-opt", "n_back=1", "--task-opt", "n_back=2"], "--task-opt sets n_back twice"),
+    (["--method", "rope", "--method-opt", "x=1", "--method-opt", "x=2"], "--method-opt sets x twice"),
     (["--method", "vipe", "--method-opt", "vipe_dp=-3"], "vipe_dp must be an int >= 1, got -3"),
     (["--method", "vipe", "--method-opt", "vipe_dp=2.7"], "vipe_dp must be an int >= 1, got 2.7"),
     (["--method", "prism", "--method-opt", "prism_blocks=[7]"], "prism_blocks [7]: blocks are numbered 0 to 0"),
@@ -467,7 +471,8 @@ def test_flipflop_table_gives_error_percent_with_min_and_max_in_place():
     mean, lo, hi = experiments.column_numbers(summary, "sparse", "error")
     assert (round(mean, 6), round(lo, 6), round(hi, 6)) == (10.0, 5.0, 20.0)
     seeds = [[{**summary["eval"][0], "token": t}] for t in (0.95, 0.8, 0.95)]     # each seed's rows
-    assert experiments.column_value(seeds, 256, "sparse", "error") == "10.00 (5.00-20.00)"
+    # errors 5, 20, 5: resampled means 5, 10, 15, 20 with probabilities 8, 12, 6, 1 in 27: 90 % from 5 to 15
+    assert experiments.column_value(seeds, 256, "sparse", "error") == "10.00 [5.00-15.00] (5.00-20.00)"
 
 
 def test_evaluate_against_a_hand_count():

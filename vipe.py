@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Method, Opt, causal_mask, pick_backend, sdpa
+from model import Method, Opt, causal_mask, note_logits, pick_backend, sdpa
 
 BACKEND = None  # None = choose (Triton on CUDA, "torch" on CPU); or force "naive" | "torch" | "triton"
 MODES = ("both", "value", "scale")
@@ -79,7 +79,9 @@ def vipe_attention_naive(q, k, v, u, w_p, b_p, s: float = 1.0, rescale: bool = T
         g = torch.full((H,), s, dtype=q.dtype, device=q.device) if g is None else g.to(q.dtype)  # (H,)
         lam = g[:, None, None] * torch.log(n)[:, None] * (1 + (k * u[:, None, :]).sum(-1))[..., None, :]  # (B, H, T, T)
         logits = lam * logits
-    a = logits.masked_fill(~causal_mask(T, q.device), -math.inf).softmax(-1)                 # (B, H, T, T)
+    logits = logits.masked_fill(~causal_mask(T, q.device), -math.inf)     # (B, H, T, T)
+    note_logits(logits)                                                     # the loop's logit probe
+    a = logits.softmax(-1)                                                  # (B, H, T, T)
     dist = code_distance(code, n[:, None] - n[None, :], n[:, None], s)     # (T, T) the code's n - i
     codes = dist[None, :, :, None] * w_p[:, None, None, :] + b_p[:, None, None, :]  # (H, T, T, d_p)
     pos = torch.einsum("bhni,hnip->bhnp", a, codes)                         # (B, H, T, d_p)

@@ -1,0 +1,109 @@
+"""ViPE's protocol, hypothesis by hypothesis: the runs, and one table of what each reading gives.
+
+    python docs/perf/vipe_hypotheses.py --commands            # the train.py command of each variant
+    python docs/perf/vipe_hypotheses.py runs/parity            # the tables, from the run folders present
+
+Each variant is the quick vipe-parity run of ViPE (`--reproduce vipe-parity --commands`: the gpu preset, 4k
+steps x 256, then 200 fine-tuning steps with the fixed s) with evaluations every 1k steps, each of which makes
+the paper's reading on a copy of the model (fine-tuned 200 steps with the fixed s, then every length at it),
+and the one change its name says:
+
+    base     the protocol as vipe.py defines it (a fresh optimiser for the fine-tuning, at the final rate)
+    cont     the fine-tuning continues the run's Adam moments (vipe_ft_optim=continued)
+    tanh     a bounded code: tanh of the distance over 16 s (vipe_code=tanh)
+    over_n   a bounded code: the distance over the query position (vipe_code=over_n)
+    affine   the logit factor g(s) = a s + b, learned per head (vipe_g=affine)
+    s2.83    the fixed s from token counts, (2 x 48 + 3) / (2 x 16 + 3) (vipe_s_fixed=2.83)
+    s2       the fixed s = 2 (vipe_s_fixed=2)
+
+The table, per variant: exact match of the paper's reading (the fine-tuned model at the fixed s) at 1-16,
+17-24 and 25-32, mean (min-max) over seeds; at 17-24 also per token and on the final answer (y_L); the model
+as trained at s per length and s = 1; and the checkpoint the paper's "best test accuracy" may mean: the
+evaluation during training (or the last) with the best 17-24 of the paper's reading, chosen on the test
+lengths as such a rule does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+VARIANTS = {   # name -> (depths, --method-opt items beyond vipe_finetune=200)
+    "base": ((2, 3), []),
+    "cont": ((2, 3), ["vipe_ft_optim=continued"]),
+    "tanh": ((2,), ["vipe_code=tanh"]),
+    "over_n": ((2,), ["vipe_code=over_n"]),
+    "affine": ((2,), ["vipe_g=affine"]),
+    "s2.83": ((2,), ["vipe_s_fixed=2.83"]),
+    "s2": ((2,), ["vipe_s_fixed=2"]),
+}
+
+
+def commands(task: str, seeds: str, out: str) -> list[str]:
+    return [f"python train.py --task {task} --method vipe --preset gpu --n-layers {n} --tag L{n}-{name} "
+            f"--seeds {seeds} --jobs {len(seeds.split(','))} --eval-every 1000 --method-opt vipe_finetune=200 "
+            + "".join(f"--method-opt {o} " for o in opts) + f"--out {out} --device cuda"
+            for name, (depths, opts) in VARIANTS.items() for n in depths]
+
+
+def value(rows, lo, hi, key="exact"):
+    pts = [r for r in rows if lo <= r["length"] <= hi]
+    return float(np.mean([r[key] for r in pts])) if pts and all(key in r for r in pts) else None
+
+
+def spread(vals) -> str:
+    vals = [v for v in vals if v is not None]
+    return f"{np.mean(vals):.3f} ({min(vals):.2f}-{max(vals):.2f})" if vals else "-"
+
+
+def best_checkpoint(m: dict):
+    """(step, rows) of the paper's reading with the best exact match at 17-24 over the evaluations during
+    training and the end (the last of equals)."""
+    points = [(h["step"], h["final"]) for h in m.get("history", []) if "final" in h] + [(m["config"]["steps"], m["eval"])]
+    return max(points, key=lambda p: (value(p[1], 17, 24), p[0]))
+
+
+def table(task_dir: Path) -> str:
+    lines = ["| run | seeds | 1-16 | 17-24 | 25-32 | 17-24 token | 17-24 final answer | as trained, s per length, "
+             "17-24 | as trained, s = 1, 17-24 | best checkpoint by 17-24 (chosen on the test lengths): 1-16 / "
+             "17-24, its steps |", "| --- |" + " --- |" * 9]
+    for folder in sorted(task_dir.glob("vipe-L*-*")):
+        ms = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/metrics.json"))]
+        if not ms:
+            continue
+        ab = [m.get("eval_ablations", {}) for m in ms]
+        per = [a.get("s = L / L_train_max per length, no fine-tuning") for a in ab]
+        one = [a.get("s = 1, no fine-tuning") for a in ab]
+        best = [best_checkpoint(m) for m in ms]
+        lines.append(f"| {folder.name} | {len(ms)} | " + " | ".join([
+            spread(value(m["eval"], 1, 16) for m in ms), spread(value(m["eval"], 17, 24) for m in ms),
+            spread(value(m["eval"], 25, 32) for m in ms), spread(value(m["eval"], 17, 24, "token") for m in ms),
+            spread(value(m["eval"], 17, 24, "last") for m in ms),
+            spread(value(r, 17, 24) for r in per if r), spread(value(r, 17, 24) for r in one if r),
+            f"{spread(value(rows, 1, 16) for _, rows in best)} / {spread(value(rows, 17, 24) for _, rows in best)}, "
+            + ", ".join(str(step) for step, _ in best)]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("task_dir", nargs="?", help="runs/<task>: print the table of its vipe-L*-* folders")
+    p.add_argument("--commands", action="store_true", help="print the train.py command of each variant")
+    p.add_argument("--task", default="parity")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--out", default="runs")
+    a = p.parse_args(argv)
+    if a.commands:
+        print("\n".join(commands(a.task, a.seeds, a.out)))
+        return 0
+    if not a.task_dir:
+        p.error("give runs/<task> or --commands")
+    print(table(Path(a.task_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,10 +3,10 @@
     python docs/perf/vipe_hypotheses.py --commands            # the train.py command of each variant
     python docs/perf/vipe_hypotheses.py runs/parity            # the tables, from the run folders present
 
-Each variant is the quick vipe-parity run of ViPE (`--reproduce vipe-parity --commands`: the gpu preset, 4k
-steps x 256, then 200 fine-tuning steps with the fixed s) with evaluations every 1k steps, each of which makes
-the paper's reading on a copy of the model (fine-tuned 200 steps with the fixed s, then every length at it),
-and the one change its name says:
+Each variant is the quick vipe-parity run of ViPE-L2 (`--reproduce vipe-parity --commands`: the gpu preset,
+4k steps x 256, then 200 fine-tuning steps with the fixed s) with the one change its name says; base and cont
+also evaluate every 1k steps, each evaluation making the paper's reading on a copy of the model (fine-tuned 200
+steps with the fixed s, then every length at it):
 
     base     the protocol as vipe.py defines it (a fresh optimiser for the fine-tuning, at the final rate)
     cont     the fine-tuning continues the run's Adam moments (vipe_ft_optim=continued)
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = {   # name -> (depths, --method-opt items beyond vipe_finetune=200)
-    "base": ((2, 3), []),
-    "cont": ((2, 3), ["vipe_ft_optim=continued"]),
+VARIANTS = {   # name -> (depths, --method-opt items beyond vipe_finetune=200); base and cont evaluate during training
+    "base": ((2,), []),
+    "cont": ((2,), ["vipe_ft_optim=continued"]),
     "tanh": ((2,), ["vipe_code=tanh"]),
     "over_n": ((2,), ["vipe_code=over_n"]),
     "affine": ((2,), ["vipe_g=affine"]),
@@ -42,9 +42,13 @@ VARIANTS = {   # name -> (depths, --method-opt items beyond vipe_finetune=200)
 }
 
 
+DURING = ("base", "cont")
+
+
 def commands(task: str, seeds: str, out: str) -> list[str]:
     return [f"python train.py --task {task} --method vipe --preset gpu --n-layers {n} --tag L{n}-{name} "
-            f"--seeds {seeds} --jobs {len(seeds.split(','))} --eval-every 1000 --method-opt vipe_finetune=200 "
+            f"--seeds {seeds} --jobs {len(seeds.split(','))} " + ("--eval-every 1000 " if name in DURING else "")
+            + "--method-opt vipe_finetune=200 "
             + "".join(f"--method-opt {o} " for o in opts) + f"--out {out} --device cuda"
             for name, (depths, opts) in VARIANTS.items() for n in depths]
 

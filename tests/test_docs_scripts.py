@@ -290,8 +290,9 @@ def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_
 
 def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
     """From a run's final checkpoint, the schedule fixed:N is the loop's own fine-tuning (vipe_finetune
-    = N) and test: the same token accuracy beyond the training length, and, for the checkpoint as
-    trained, the same as the loop's s = 1 ablation; a ramp ends elsewhere."""
+    = N, a fresh AdamW) and test: the same token accuracy at every length, the training lengths too, and
+    other than the model as trained at that s; for the checkpoint as trained, the same as the loop's s = 1
+    ablation; a ramp ends elsewhere."""
     run = tiny_run(tmp_path, task="parity", method="vipe", train_lengths=[16], test_lengths=[8, 16, 20, 48],
                    opts={"vipe_finetune": 10}, n_eval=4, lr=0.05, warmup=1)    # 10 steps that change the test
     metrics = json.loads((run / "metrics.json").read_text())
@@ -305,7 +306,9 @@ def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
     assert r["as trained, s = 1"]["token"][1] == pytest.approx(token(one, 20))
     fixed, ramp = r["schedules"]
     assert fixed["schedule"] == "fixed:10" and ramp["schedule"] == "ramp:10"
-    assert fixed["all at s"]["token"][1] != pytest.approx(r["as trained, s = 1"]["token"][1])   # it moved
+    as_trained = metrics["eval_ablations"]["s = L_test_max / L_train_max, no fine-tuning"]   # at s = 3 too
+    assert fixed["all at s"]["token"][0] != pytest.approx((token(as_trained, 8) + token(as_trained, 16)) / 2)  # moved
+    assert fixed["all at s"]["token"][0] == pytest.approx((token(metrics["eval"], 8) + token(metrics["eval"], 16)) / 2)
     assert fixed["all at s"]["token"][1] == pytest.approx(token(metrics["eval"], 20))
     assert fixed["all at s"]["token"][3] == pytest.approx(token(metrics["eval"], 48))
     assert ramp["loss_first"] != fixed["loss_first"]              # its first step runs at s = 1.2, not 3
@@ -408,3 +411,34 @@ def test_seed_table_reads_a_trained_run(tmp_path):
     row = script("seed_table.py", run.parent).splitlines()[2]
     assert row.startswith(f"| copy/{run.parent.name} | {sum(inside) / len(inside):.3f} / "
                           f"{sum(beyond) / len(beyond):.3f}, to "), row
+
+
+def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tmp_path, capsys):
+    """Every variant's command is one the command line takes (base, with its evaluations during training, and
+    s2 run here at a tiny size); the table reads them, and its checkpoint rule picks, per seed, the evaluation
+    with the best 17-24 of the paper's reading (hand-made metrics: step 2000's 0.5 over the end's 0.25)."""
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    import vipe_hypotheses as vh
+    cmds = vh.commands("parity", "0", str(tmp_path / "runs"))
+    assert len(cmds) == len(vh.VARIANTS) and all(c.startswith("python train.py ") for c in cmds)
+    tiny = ["--preset", "cpu", "--steps", "4", "--d-model", "16", "--batch-size", "4", "--n-eval", "2",
+            "--test-lengths", "8,16,20", "--device", "cpu"]
+    for c in (cmds[0], cmds[-1]):
+        argv = [a for a in c.replace("vipe_finetune=200", "vipe_finetune=2").replace("--eval-every 1000",
+                "--eval-every 2").split()[2:]]
+        drop = {"--preset", "--device"}
+        argv = [a for i, a in enumerate(argv) if a not in drop and (i == 0 or argv[i - 1] not in drop)]
+        assert cli.main(argv + tiny) == 0
+    capsys.readouterr()
+    text = vh.table(tmp_path / "runs" / "parity")
+    base = next(line for line in text.splitlines() if line.startswith("| vipe-L2-base |"))
+    assert base.endswith(", 4 |") or base.rsplit(", ", 1)[1].strip(" |") in ("2", "4"), base
+    assert any(line.startswith("| vipe-L2-s2 |") for line in text.splitlines())
+
+    def rows(v):
+        return [{"length": L, "exact": 1.0 if L <= 16 else v, "token": 1.0, "last": 1.0} for L in (8, 20)]
+    m = {"config": {"steps": 4000}, "eval": rows(0.25),
+         "history": [{"step": 1000, "final": rows(0.0)}, {"step": 2000, "final": rows(0.5)}]}
+    assert vh.best_checkpoint(m) == (2000, rows(0.5))
+    m["history"][1]["final"] = rows(0.25)                  # equal to the end's: the later one
+    assert vh.best_checkpoint(m)[0] == 4000

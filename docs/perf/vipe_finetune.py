@@ -1,6 +1,7 @@
 """Does ViPE's fine-tuning with the fixed s fit a fully trained model, and does a gentler schedule
-extrapolate? From a checkpoint (its weights and Adam's state), fine-tune on the CPU in float32 on the
-run's own next batches at the run's final learning rate (the loop's `train.finetune`), once per schedule:
+extrapolate? From a checkpoint (its weights, and with --continued its Adam state), fine-tune on the CPU in
+float32 on the run's own next batches at the run's final learning rate with a fresh AdamW (the loop's
+`train.finetune`, vipe.py's default), once per schedule:
 
     fixed:N   N steps at s = L_test_max / L_train_max (the paper's protocol; the loop's vipe_finetune)
     ramp:N    N steps with s rising linearly from 1 to that s
@@ -46,7 +47,7 @@ def bands(rows) -> dict:
     return out
 
 
-def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> dict:
+def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, continued: bool = False) -> dict:
     cfg, model, step = load(path)
     task = TASKS[cfg.task]
     opt_state = torch.load(path, map_location="cpu", weights_only=False)["opt"]
@@ -54,14 +55,11 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> di
     top, test_max = max(cfg.train_lengths or task.train_lengths), max(lengths)
     s_max = compression("fixed", test_max, top, test_max)
 
-    def test(m, rule, split=False):
-        """Exact match per band at every length under `rule` ("all": s_max everywhere). The test sets
-        are the loop's: lengths in one pass as its ablations, or (split) the training lengths and the
-        longer ones in two passes, as its evaluation after fine-tuning draws them."""
+    def test(m, rule):
+        """Exact match per band at every length under `rule` ("all": s_max everywhere), on the loop's test
+        sets (every length in one call, as its evaluations draw them)."""
         s = (lambda L: s_max) if rule == "all" else (lambda L: compression(rule, L, top, test_max))
-        parts = [[L for L in lengths if L <= top], [L for L in lengths if L > top]] if split else [lengths]
-        return bands([row for part in parts
-                      for row in evaluate(m, task, part, n, cfg.seed, "cpu", cfg.task_opts, s=s, precision="fp32")])
+        return bands(evaluate(m, task, lengths, n, cfg.seed, "cpu", cfg.task_opts, s=s, precision="fp32"))
     out = {"checkpoint": str(path), "step": step, "s": s_max, "n": n, "bands": [f"{a}-{b}" for a, b in BANDS],
            "as trained, s = 1": test(model, "one"), "as trained, s per length": test(model, "per_length"),
            "schedules": []}
@@ -72,11 +70,12 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print) -> di
         opt.load_state_dict(copy.deepcopy(opt_state))      # its tensors would be shared, and stepped, otherwise
         here = dataclasses.replace(cfg, steps=step, graphs=False, compile=False)   # data from the checkpoint on
         losses = train.finetune(m, m, opt, here, task, cfg.train_lengths or task.train_lengths, "cpu", {"stop": None},
-                                steps, s_max if schedule == "fixed" else ramp(s_max, steps))  # the loop's vipe_ramp
+                                steps, s_max if schedule == "fixed" else ramp(s_max, steps),  # the loop's vipe_ramp
+                                fresh=not continued)
         worst = max(range(steps), key=losses.__getitem__)
         row = {"schedule": f"{schedule}:{steps}", "loss_first": losses[0], "loss_last_20": sum(losses[-20:]) / 20,
                "loss_max": losses[worst], "loss_max_at": worst + 1, "loss_every_100": losses[::100],
-               "all at s": test(m, "all", split=True), "s per length": test(m, "per_length", split=True),
+               "all at s": test(m, "all"), "s per length": test(m, "per_length"),
                "seconds": time.time() - t0}
         log(f"  {row['schedule']}: loss {row['loss_first']:.3g} -> {row['loss_last_20']:.3g} (highest "
             f"{row['loss_max']:.3g} at step {row['loss_max_at']}), exact at s = {s_max:g} "
@@ -91,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedules", default="fixed:200,fixed:1000,ramp:1000", help="NAME:STEPS, comma-separated")
     p.add_argument("--n", type=int, default=256, help="test sequences per length (default 256)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--continued", action="store_true", help="fine-tune with the checkpoint's Adam state "
+                   "(vipe_ft_optim=continued) instead of a fresh AdamW")
     a = p.parse_args(argv)
     schedules = [(x.split(":")[0], int(x.split(":")[1])) for x in a.schedules.split(",")]
     if any(name not in ("fixed", "ramp") or steps < 1 for name, steps in schedules):
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     results = []
     for path in a.checkpoints:
         print(f"{path}:")
-        results.append(study(path, schedules, a.n))
+        results.append(study(path, schedules, a.n, continued=a.continued))
         r = results[-1]
         print(f"  step {r['step']}, exact at {' / '.join(r['bands'])} ({r['n']} per length):")
         exact = lambda b: " / ".join(f"{v:.3f}" for v in b["exact"])    # noqa: E731

@@ -2,6 +2,7 @@
 
     python docs/perf/vipe_hypotheses.py --commands            # the train.py command of each variant
     python docs/perf/vipe_hypotheses.py runs/parity            # the tables, from the run folders present
+    python docs/perf/vipe_hypotheses.py --rescore docs/results # stored runs by sequence, token and final answer
 
 Each variant is the quick vipe-parity run of ViPE-L2 (`--reproduce vipe-parity --commands`: the gpu preset,
 4k steps x 256, then 200 fine-tuning steps with the fixed s) with the one change its name says; base and cont
@@ -92,10 +93,28 @@ def table(task_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def rescore(results: Path) -> str:
+    """The stored runs of ViPE and NoPE on the three synthetic tasks read three ways at 17-24 and 25-32: exact
+    match per sequence, accuracy per token, and the final answer where the run recorded it (its rows' "last")."""
+    lines = ["| task | run | seeds | 17-24 exact | 17-24 token | 17-24 final answer | 25-32 exact | 25-32 token | "
+             "25-32 final answer |", "| --- |" + " --- |" * 8]
+    for task in ("parity", "binary_copy", "polynomial"):
+        for folder in sorted((results / task).glob("*")):
+            ms = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/metrics.json"))]
+            if not ms or not folder.name.startswith(("vipe", "nope")):
+                continue
+            cells = [spread(value(m["eval"], lo, hi, key) for m in ms)
+                     for lo, hi in ((17, 24), (25, 32)) for key in ("exact", "token", "last")]
+            lines.append(f"| {task} | {folder.name} | {len(ms)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("task_dir", nargs="?", help="runs/<task>: print the table of its vipe-L*-* folders")
     p.add_argument("--commands", action="store_true", help="print the train.py command of each variant")
+    p.add_argument("--rescore", action="store_true", help="task_dir is a results folder: read its stored ViPE and "
+                   "NoPE runs per sequence, per token and on the final answer")
     p.add_argument("--task", default="parity")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs")
@@ -105,7 +124,7 @@ def main(argv=None) -> int:
         return 0
     if not a.task_dir:
         p.error("give runs/<task> or --commands")
-    print(table(Path(a.task_dir)))
+    print(rescore(Path(a.task_dir)) if a.rescore else table(Path(a.task_dir)))
     return 0
 
 

@@ -9,7 +9,7 @@ An `Experiment` records the paper's setting, what was scaled down to fit minutes
 numbers and the columns of its table. `cli.reproduce` trains every run that is not present yet,
 then the functions here summarise each method over its seeds, redraw the task figures and write
 runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back): the paper's numbers,
-the mean (min-max) over seeds at the last checkpoint, and the paper's own selection rule where it
+the mean [90 % bootstrap interval] (min-max) over seeds at the last checkpoint, and the paper's own selection rule where it
 has one.
 """
 from __future__ import annotations
@@ -795,7 +795,7 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
         s = json.loads(path.read_text())
         top, runs = s["train_max_length"], seed_metrics(path.parent, s["seeds"])
         cells = [column_value([m["eval"] for m in runs], top, sel, metric) for _, sel, metric in exp.columns]
-        lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean (min-max) over seeds"
+        lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean [90 % interval] (min-max) over seeds"
                      + examples_note(s["eval"]) + " | " + " | ".join(cells)
                      + f" | {len(s['seeds'])} | {s['device']} | {np.mean(s['wall_s']) / 60:.1f} min |")
         for rule in s.get("ablations", {}):
@@ -842,7 +842,7 @@ def paper_rule(exp: Experiment, seeds: list[dict]) -> tuple[str, list[str]]:
         return f"the paper's rule: best checkpoint on held-out lengths {lo}-{hi} (no evaluations during training)", \
             ["-" for _ in exp.columns]
     label = (f"the paper's rule: the checkpoint with the best exact match on held-out sequences of lengths {lo}-{hi} "
-             "(the earliest of equals), mean (min-max) over seeds")
+             "(the earliest of equals), mean [90 % interval] (min-max) over seeds")
     return label, [column_value(chosen, top, sel, metric) for _, sel, metric in exp.columns]
 
 

@@ -40,9 +40,13 @@ Usage:
     layer = ViPEAttention(cfg)                       # reads ctx["s"] (default 1)
 
 Options (cfg.opts, from `--method-opt`): vipe_mode = "both" | "value" (the value code alone, no
-rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8); vipe_s, the
-rule for s beyond the training lengths, and vipe_finetune, the steps trained with the fixed s
-before the test (see `final_evaluation`).
+rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8). The protocol
+(`final_evaluation`): vipe_s, the rule for s at test; vipe_s_fixed, the fixed s (default the paper's
+L_test_max / L_train_max); vipe_finetune, the steps trained with it before the test, with
+vipe_ft_optim (fresh, the default, or continued) at vipe_ft_lr (default the run's final rate) and
+vipe_ramp. Ablations of the paper's forms, each an open question of the paper's text: vipe_code
+(`code_distance`: the paper's linear code, or a bounded one) and vipe_g (the logit factor g(s) = s,
+or a s + b learned per head, its appendix C.3). They run on the PyTorch paths (`vipe_attention`).
 
 Shapes: B batch, H heads, T time, D query/key head dim, Dv value head dim, d_p code width.
 """

@@ -37,7 +37,8 @@ def test_reproduce_runs_skips_and_tables(capsys, tmp_path, monkeypatch):
     table = (out / "reproduce" / "tiny.md").read_text()
     s = json.loads((out / "copy" / "rope" / "metrics.json").read_text())
     assert "| copy/rope | paper | 1.0 | 0.5 |" in table
-    assert f"| copy/rope | this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | {s['eval'][0]['exact']:.3f}" in table
+    assert "| copy/rope | this repo, last checkpoint, mean [90 % interval] (min-max) over seeds, 8 examples per " \
+        f"point | {s['eval'][0]['exact']:.3f}" in table
     code, stdout, _ = run_cli(capsys, "--reproduce", "tiny", "--out", str(out), "--device", "cpu")
     assert stdout.count(" present ") == 2 and "0 to train" in stdout
 
@@ -186,12 +187,12 @@ def test_selection_rules_on_a_fake_history(tmp_path):
         exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], columns=cols, paper={},
                                      scaled="s", select=select, seeds=[0, 1])
         rows[select[0]] = experiments.experiment_table("x", exp, out).splitlines()[-1]
-    assert "| this repo, last checkpoint, mean (min-max) over seeds, 8 examples per point | 0.700 (0.50-0.90) |" \
-        in experiments.experiment_table("x", exp, out)
+    assert "| this repo, last checkpoint, mean [90 % interval] (min-max) over seeds, 8 examples per point | " \
+        "0.700 [0.50-0.90] (0.50-0.90) |" in experiments.experiment_table("x", exp, out)
     assert "best of 2 seeds" in rows["best_seed"] and "(seed 0;" in rows["best_seed"] and "| 0.500 (0.50-0.50) |" in rows["best_seed"]
     assert "with in-distribution exact match > 0.85" in rows["best_seed"]
     assert "mean of the 3 best" in rows["top3"] and f"| {(0.6 + 0.2) / 2:.3f} (0.20-0.60) |" in rows["top3"]
-    assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 (0.20-0.60) |" in rows["held_out"]
+    assert "held-out sequences of lengths 10-10" in rows["held_out"] and "| 0.400 [0.20-0.60] (0.20-0.60) |" in rows["held_out"]
     # a seed without evaluations during training (--eval-from-loss: its loss never fell below the bar) is
     # left out of the top-3 mean, and the cell says so
     out = write_seeds(tmp_path / "runs2", [a, {**b, "history": []}])
@@ -453,7 +454,7 @@ def test_partial_builds_the_table_from_the_runs_present_and_trains_nothing(capsy
     rows = {r.split(" | ")[0]: r for r in table.splitlines() if "| this repo, last checkpoint" in r}
     assert "| 1 | cpu" in rows["| copy/nope"]
     assert "| 2 | cpu" in rows["| copy/rope"] and "best of 2 seeds" in table and "best of 1 seeds" in table
-    assert "no verdict (fewer than 3 seeds" in table and "of 1 seeds -- " in table
+    assert "inconclusive: 0 of 1 checks hold, 1 inconclusive (1 seeds)" in table and "; 1 seeds -- " in table
     code, stdout, _ = run_cli(capsys, *args)
     table = (out / "reproduce" / "tiny.md").read_text()
     assert code == 0 and "1 to train" in stdout and len(present(out)) == 4 and "--partial" not in table
@@ -1352,7 +1353,7 @@ def test_older_vipe_metrics_name_their_rules_as_newer_ones_do(tmp_path):
     assert list(summary["ablations"]) == ["s = L / L_train_max per length, no fine-tuning", "s = 1, no fine-tuning"]
     exp = experiments.Experiment(claim="c", runs=[dict(task="copy", method="rope")], paper={}, scaled="s",
                                  columns=[("len 10", (10, 10), "exact")], seeds=[0, 1])
-    assert "| copy/rope | this repo, s = 1, no fine-tuning | 0.500 (0.50-0.50) |" in experiments.experiment_table("x", exp, out)
+    assert "| copy/rope | this repo, s = 1, no fine-tuning | 0.500 [0.50-0.50] (0.50-0.50) |" in experiments.experiment_table("x", exp, out)
 
 
 def test_a_task_of_one_test_length_is_drawn_as_bars_of_token_accuracy(tmp_path, monkeypatch):

@@ -216,3 +216,22 @@ def test_the_logit_probe_reads_vipes_rescaled_logits():
         logits = lam * (q @ k.mT) / layer.D ** 0.5                                          # (B, H, T, T)
     want = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0).abs().max()
     assert first == pytest.approx(float(want), rel=1e-5)
+
+
+def test_rope_rotates_pair_i_by_t_times_base_to_the_minus_2i_over_d():
+    """RoPE's angles against the standard definition, with values worked out by hand: D = 8, base 10^4, so pair i
+    (channels i and i + 4) turns by t * 10^(-i) at position t. A unit vector in channel i at t = 2 (pairs 0 and
+    1) or t = 5 (pairs 2 and 3) comes out as (cos, sin) of that angle in channels i and i + 4. The relative-
+    position property holds for any frequencies, so it cannot pin them; these values do."""
+    from model import rotary
+    want = {(2, 0): (-0.4161468365471424, 0.9092974268256817),   # angle 2
+            (2, 1): (0.9800665778412416, 0.19866933079506122),   # angle 0.2
+            (5, 2): (0.9987502603949663, 0.04997916927067833),   # angle 0.05
+            (5, 3): (0.9999875000260416, 0.004999979166692708)}  # angle 0.005
+    for (t, i), (c, s) in want.items():
+        e = torch.zeros(1, 1, 6, 8)
+        e[0, 0, t, i] = 1.0
+        out = rotary(e, 10_000.0)[0, 0, t]
+        expect = torch.zeros(8)
+        expect[i], expect[i + 4] = c, s
+        assert torch.allclose(out, expect, atol=1e-6), (t, i, out)

@@ -141,7 +141,7 @@ def test_teacher_forced_exact_match_equals_greedy_decoding(name, lengths, steps)
     model = trained_model(task, lengths, steps)
     batch = sample_mixed(task, 96, lengths, np.random.default_rng(7))
     with torch.no_grad():
-        exact, _, _ = score(model(batch.x), batch.y)
+        exact, _, _, _ = score(model(batch.x), batch.y)
     greedy = greedy_decode(model, task, batch)
     assert torch.equal(exact, greedy)
     assert 0 < exact.sum() < len(exact), "the check needs both right and wrong sequences"

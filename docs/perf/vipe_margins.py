@@ -35,15 +35,16 @@ _logits = []   # the (B, H, T, T) float64 logits of each ViPE call of the curren
 _real = vipe.vipe_attention
 
 
-def _recording(q, k, v, u, w_p, b_p, s=1.0, rescale=True):
+def _recording(q, k, v, u, w_p, b_p, s=1.0, rescale=True, code="linear", g=None):
     T, D = q.shape[-2], q.shape[-1]
     n = torch.arange(1, T + 1, dtype=torch.float64, device=q.device)
     q64, k64 = q.double(), k.double()
     logits = q64 @ k64.transpose(-1, -2) / math.sqrt(D)                          # (B, H, T, T)
     if rescale:
-        logits = logits * (s * torch.log(n)[:, None] * (1 + k64 @ u.double()[:, :, None]).transpose(-1, -2))
+        factor = s if g is None else g.double()[:, None, None]                   # g(s) per head (vipe_g=affine)
+        logits = logits * (factor * torch.log(n)[:, None] * (1 + k64 @ u.double()[:, :, None]).transpose(-1, -2))
     _logits.append(logits.masked_fill(~causal_mask(T, q.device), -math.inf))
-    return _real(q, k, v, u, w_p, b_p, s, rescale)
+    return _real(q, k, v, u, w_p, b_p, s, rescale, code, g)
 
 
 def load(path: Path):

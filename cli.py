@@ -46,7 +46,7 @@ import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
-from evaluation import save_atomic, summary_line
+from evaluation import glob_stored, read_stored, save_atomic, stored, summary_line
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
 from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, train
@@ -466,7 +466,7 @@ def other_setup(cfgs: list[TrainConfig], like, present: set) -> dict:
         if id(cfg) not in present:
             continue
         try:
-            saved = json.loads((cfg.run_dir() / "metrics.json").read_text())["config"]
+            saved = json.loads(read_stored(cfg.run_dir() / "metrics.json"))["config"]
             diff = saved_diff(saved, like(k, saved["preset"]), RUN_KEYS)
         except Exception:
             continue
@@ -482,10 +482,10 @@ def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
         return
     for name in ("metrics.json", CKPT):
         path = cfg.run_dir() / name
-        if not path.exists():
+        if not stored(path):
             continue
         try:
-            saved = json.loads(path.read_text())["config"] if name.endswith(".json") else \
+            saved = json.loads(read_stored(path))["config"] if name.endswith(".json") else \
                 torch.load(path, map_location="cpu", weights_only=False)["config"]
             diff = saved_diff(saved, cfg, RUN_KEYS)
         except Exception:   # an unreadable file holds no result to keep: it is overwritten
@@ -1196,7 +1196,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
     mine = {id(cfg) for k, cfg in enumerate(everything)
             if not args.partial and (k in picked if picked else k % n_shards == shard)}
-    present = {id(cfg) for cfg in everything if (cfg.run_dir() / "metrics.json").exists()}
+    present = {id(cfg) for cfg in everything if stored(cfg.run_dir() / "metrics.json")}
     todo = {id(cfg) for cfg in everything if id(cfg) in mine and (args.force or id(cfg) not in present)}
     # which part of the list this command takes, as the plan's first line says it; the state of a run outside it
     scope, outside = ((f", shard {args.shard}: {len(mine)} of them", "other shard") if args.shard
@@ -1240,7 +1240,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
-        waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not (cfg.run_dir() / "metrics.json").exists()]
+        waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not stored(cfg.run_dir() / "metrics.json")]
         exp = EXPERIMENTS[name]
         if waiting and args.partial:
             exp = dataclasses.replace(exp, scaled=f"{exp.scaled}; this table: the {len(cfgs) - len(waiting)} runs "
@@ -1444,14 +1444,14 @@ def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
             (", final evaluation not timed there" if any("final_eval_s" not in m for m in ms) else "") + \
             "".join(f", {'without' if getattr(cfg, flag) else 'with'} --{flag} there" for flag in ("compile", "tf32")
                     if any(bool(m["config"].get(flag)) != bool(getattr(cfg, flag)) for m in ms))
-    seeds = [(m, path.parent.name) for path in sorted(mine.run_dir().parent.glob("seed*/metrics.json"))
+    seeds = [(m, path.parent.name) for path in glob_stored(mine.run_dir().parent, "seed*/metrics.json")
              if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
     if seeds:       # their median: seeds of one setup ran beside different loads
         return float(np.median([seconds(m) for m, _ in seeds])), "measured: " + (
             seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds") + shared([m for m, _ in seeds])
     settings = asdict(cfg)
     others = [(differences(settings, m["config"]), path.parent.parent.name, m)
-              for path in sorted((out / cfg.task).glob(f"{cfg.method}*/seed*/metrics.json"))
+              for path in glob_stored(out / cfg.task, f"{cfg.method}*/seed*/metrics.json")
               if (m := usable(path))]
     if not others:
         return None, ""

@@ -20,6 +20,7 @@ Shapes: B batch, T time, V vocabulary.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -118,6 +119,31 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()                           # back to the runs that share the GPU
     return rows
+
+
+# docs/results keeps each run's metrics.json and train.log gzipped (<name>.gz, docs/perf/compact_results.py), so
+# that a clone stays light; these read a file in either form, the plain one first (a run written since).
+
+def stored(path: Path) -> Path | None:
+    """`path`, or path + ".gz" where only that exists; None where neither does."""
+    path = Path(path)
+    if path.exists():
+        return path
+    gz = path.with_name(path.name + ".gz")
+    return gz if gz.exists() else None
+
+
+def read_stored(path: Path) -> str:
+    """The text of `path`, plain or gzipped (`stored`); FileNotFoundError naming `path` where neither is."""
+    found = stored(path)
+    if found is None:
+        raise FileNotFoundError(f"no {path} (nor {Path(path).name}.gz)")
+    return gzip.decompress(found.read_bytes()).decode() if found.name.endswith(".gz") else found.read_text()
+
+
+def glob_stored(folder: Path, pattern: str) -> list[Path]:
+    """folder.glob(pattern), files stored gzipped included under their plain names, sorted."""
+    return sorted({*Path(folder).glob(pattern), *(p.with_name(p.name[:-3]) for p in Path(folder).glob(pattern + ".gz"))})
 
 
 def json_text(obj, depth: int = 0) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks import TASKS
-from evaluation import save_atomic
+from evaluation import glob_stored, read_stored, save_atomic, stored
 from vipe import S_TEXT, ablation_label
 
 
@@ -63,7 +63,7 @@ def read_metrics(path: Path, keys) -> dict | None:
     """A metrics.json with the given keys, or None with a warning naming the file (a corrupt or
     foreign file beside the runs must not stop a figure or a table of the others)."""
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(read_stored(path))
         missing = [k for k in keys if k not in m]
         if missing:
             raise KeyError(f"no {', '.join(missing)}")
@@ -77,7 +77,7 @@ def seed_metrics(method_dir: Path, only: list[int] | None = None,
                  keys=("seed", "eval", "train_max_length")) -> list[dict]:
     """The metrics of each seed's run in method_dir/seed*/ that are readable and hold `keys`, in seed
     folder order; those of the seeds in `only` alone, if given (an experiment's seeds, or --seeds)."""
-    return [m for p in sorted(method_dir.glob("seed*/metrics.json"))
+    return [m for p in glob_stored(method_dir, "seed*/metrics.json")
             if (m := read_metrics(p, keys)) and (only is None or m["seed"] in only)]
 
 
@@ -176,7 +176,7 @@ def plot_task(task_dir: Path, only: set[str] | None = None, path: Path | None = 
 
     summaries = []
     for d in sorted(task_dir.iterdir()):
-        if d.is_dir() and (d / "metrics.json").exists() and (only is None or d.name in only):
+        if d.is_dir() and stored(d / "metrics.json") and (only is None or d.name in only):
             summary = read_metrics(d / "metrics.json", ("task", "eval", "label", "seeds", "train_max_length"))
             summaries += [summary] if summary else []
     if not summaries:
@@ -789,10 +789,10 @@ def experiment_table(name: str, exp: Experiment, out: Path) -> str:
         if label in exp.paper:
             lines.append(f"| {run['task']}/{label} | paper | " + " | ".join(exp.paper[label]) + " | | | |")
         path = out / run["task"] / label / "metrics.json"
-        if not path.exists():
+        if not stored(path):
             lines.append(f"| {run['task']}/{label} | this repo | " + " | ".join("not run" for _ in head) + " | | | |")
             continue
-        s = json.loads(path.read_text())
+        s = json.loads(read_stored(path))
         top, runs = s["train_max_length"], seed_metrics(path.parent, s["seeds"])
         cells = [column_value([m["eval"] for m in runs], top, sel, metric) for _, sel, metric in exp.columns]
         lines.append(f"| {run['task']}/{label} | this repo, last checkpoint, mean [90 % interval] (min-max) over seeds"
@@ -912,7 +912,7 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
     lines: dict[str, list] = {}
     for run in exp.runs:
         path = out / run["task"] / f"{run['method']}-{run['tag']}" / "metrics.json"
-        runs = seed_metrics(path.parent, json.loads(path.read_text())["seeds"]) if path.exists() else []
+        runs = seed_metrics(path.parent, json.loads(read_stored(path))["seeds"]) if stored(path) else []
         nums = seed_spread([m["eval"] for m in runs], runs[0]["train_max_length"], selector, metric) if runs else None
         if nums is not None:
             lines.setdefault(run["method"], []).append((int("".join(filter(str.isdigit, run["tag"]))), *nums))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import evaluation
 import experiments
 import cli
 import train
@@ -1373,3 +1374,32 @@ def test_a_task_of_one_test_length_is_drawn_as_bars_of_token_accuracy(tmp_path, 
     assert [round(b.get_height(), 6) for b in ax.patches] == [0.99, 0.6]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["path-N2 (2)", "rope-N2 (2)"]
     assert "token accuracy at length 384" in ax.get_ylabel()
+
+
+def test_runs_kept_gzipped_read_as_they_were(capsys, tmp_path, monkeypatch):
+    """docs/perf/compact_results.py gzips each run's metrics.json and train.log in place: the experiment's runs
+    then count as present (nothing trains again, no "other setup"), and its table and verdict are the same bytes
+    as before; a plain metrics.json written beside a gzipped one (a run made again) is the one read."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "perf"))
+    import compact_results
+    out = tiny_seeded(tmp_path, monkeypatch)
+    monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", dataclasses.replace(
+        experiments.EXPERIMENTS["tiny"], checks=[("copy/rope", "copy/nope", 0)]))
+    args = ["--reproduce", "tiny", "--out", str(out), "--device", "cpu"]
+    assert run_cli(capsys, *args)[0] == 0
+    table = (out / "reproduce" / "tiny.md").read_text()
+    (out / "copy" / "nope" / "seed0" / "train.log").write_text("a run's log\n" * 100)   # as --jobs writes one
+    files, before, after = compact_results.compact(out)
+    assert files == 4 + 2 + 1 and after < before and not list(out.rglob("metrics.json"))   # 4 runs, 2 summaries
+    assert evaluation.read_stored(out / "copy" / "nope" / "seed0" / "train.log") == "a run's log\n" * 100
+    code, stdout, _ = run_cli(capsys, *args)
+    assert code == 0 and "4 runs; 0 to train" in stdout and "other setup" not in stdout
+    assert (out / "reproduce" / "tiny.md").read_text() == table
+    assert [m["seed"] for m in experiments.seed_metrics(out / "copy" / "rope")] == [0, 1]
+    assert compact_results.compact(out)[0] == 2            # the summaries just written again, plain
+    plain = out / "copy" / "rope" / "seed1" / "metrics.json"
+    m = json.loads(evaluation.read_stored(plain))
+    plain.write_text(json.dumps({**m, "eval": [{**r, "exact": 0.25} for r in m["eval"]]}))
+    assert [r["exact"] for r in experiments.seed_metrics(out / "copy" / "rope")[1]["eval"]] == [0.25]
+    assert evaluation.glob_stored(out / "copy" / "rope", "seed*/metrics.json") == \
+        [out / "copy" / "rope" / "seed0" / "metrics.json", plain]

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from evaluation import read_stored, stored  # noqa: E402
+
 
 def settled(losses, window: int):
     """The first step from which every loss of the next `window` steps is below 0.01, or None."""
@@ -53,8 +56,8 @@ def jumps(losses, after, high: float = 1.0) -> list:
 
 
 def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
-    if (run / "metrics.json").exists():
-        m = json.loads((run / "metrics.json").read_text())
+    if stored(run / "metrics.json"):
+        m = json.loads(read_stored(run / "metrics.json"))
         losses, logits, done = m.get("loss_peak") or m["loss"], m.get("logit_max", []), True
         train_max = m["train_max_length"]
         exact = [r["exact"] for r in m["eval"] if r["length"] <= train_max]

@@ -26,11 +26,13 @@ lengths as such a rule does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments import seed_metrics  # noqa: E402
 
 VARIANTS = {   # name -> (depths, --method-opt items beyond vipe_finetune=200); base and cont evaluate during training
     "base": ((2,), []),
@@ -76,7 +78,7 @@ def table(task_dir: Path) -> str:
              "17-24 | as trained, s = 1, 17-24 | best checkpoint by 17-24 (chosen on the test lengths): 1-16 / "
              "17-24, its steps |", "| --- |" + " --- |" * 9]
     for folder in sorted(task_dir.glob("vipe-L*-*")):
-        ms = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/metrics.json"))]
+        ms = seed_metrics(folder)
         if not ms:
             continue
         ab = [m.get("eval_ablations", {}) for m in ms]
@@ -100,7 +102,7 @@ def rescore(results: Path) -> str:
              "25-32 final answer |", "| --- |" + " --- |" * 8]
     for task in ("parity", "binary_copy", "polynomial"):
         for folder in sorted((results / task).glob("*")):
-            ms = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/metrics.json"))]
+            ms = seed_metrics(folder)
             if not ms or not folder.name.startswith(("vipe", "nope")):
                 continue
             cells = [spread(value(m["eval"], lo, hi, key) for m in ms)

@@ -13,7 +13,7 @@ import prism
 import train
 import upe
 import vipe
-from model import Method, Model, ModelConfig, autocast, largest_logits
+from model import Method, Model, ModelConfig, autocast, batch_context, largest_logits
 from tasks import IGNORE, TASKS, TrainBatches, sample_mixed
 
 METHODS = list(train.METHODS)
@@ -150,11 +150,16 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts, compiled):
     in both, the padded batches' kernels sum in another order, and the difference grows with each
     update.
 
-    Every parameter must also move as far under graphs as eagerly (AdamW moves each weight by about
-    the learning rate per step whatever its gradient, so the two distances agree well within 2x): a
-    replay that restored some weights to their values at capture would move them by one step only."""
+    Every parameter with a gradient must also move as far under graphs as eagerly (AdamW moves each weight by
+    about the learning rate per step whatever its gradient, so the two distances agree well within 2x): a replay
+    that restored some weights to their values at capture would move them by one step only. A parameter whose
+    true gradient is zero (FIRE's last MLP bias shifts every logit of a row alike, which softmax ignores) moves
+    by Adam-normalised rounding noise alone, differently each way: those, with a float32 gradient on the first
+    batch below 1e-7 of the largest one, are left out of that check (measured on the CPU: such a bias's
+    gradient is 4e-11-7e-11 of the largest, the smallest real one, FIRE's c, 1.6e-6)."""
     task = TASKS["copy"] if train.METHODS[method].causal_only else TASKS["add_padded"]
     losses, moved = [], []
+    live = None                                    # the parameters with a gradient, from the eager model below
     for graphs in (False, True):
         cfg = cli.make_config(dict(task=task.name, method=method, device="cuda", d_model=64, n_heads=2,
                                    n_layers=2, batch_size=16, graphs=graphs, compile=compiled and graphs,
@@ -170,6 +175,13 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts, compiled):
             data = [long[s] if s % 3 == 2 else short[s] for s in range(12)]
         else:
             data = TrainBatches(task, task.train_lengths, 16, 0, 12)
+        if live is None:                           # a float32 gradient on the first batch, at the initial weights
+            b = data[0]
+            logits = model(b.x.cuda(), batch_context(task, b, "cuda")).float()
+            F.cross_entropy(logits.flatten(0, 1), b.y.cuda().flatten(), ignore_index=IGNORE).backward()
+            norms = {name: 0.0 if p.grad is None else p.grad.norm().item() for name, p in model.named_parameters()}
+            live = {name for name, v in norms.items() if v > 1e-7 * max(norms.values())}
+            opt.zero_grad(set_to_none=True)
         start = {name: p.detach().clone() for name, p in model.named_parameters()}
         losses.append(torch.stack([step(data[s]) for s in range(12)]).tolist())
         moved.append({name: (p.detach() - start[name]).norm().item() for name, p in model.named_parameters()})
@@ -180,7 +192,7 @@ def test_cuda_graph_steps_follow_the_eager_steps(method, opts, compiled):
             assert torch.cuda.memory_reserved() < held
     assert np.allclose(losses[0], losses[1], rtol=0.05, atol=0.02), losses
     far = {name: (eager, moved[1][name]) for name, eager in moved[0].items()
-           if eager > 0 and not 0.5 < moved[1][name] / eager < 2}
+           if name in live and eager > 0 and not 0.5 < moved[1][name] / eager < 2}
     assert not far, far
 
 

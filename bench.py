@@ -372,11 +372,11 @@ def run_jobs(steps: int, out_dir: Path, runs=JOBS_RUNS, counts=JOBS_COUNTS, extr
     import tempfile
     import time
 
-    import cli
+    import jobs
     from tasks import TASKS
 
     device = device or DEVICE
-    gpus = len(cli.visible_gpus()) if device == "cuda" else 0
+    gpus = len(jobs.visible_gpus()) if device == "cuda" else 0
     cases = [(n, True) for n in counts] + [(max(counts), False)]
     rows = []
     for task, method in runs:

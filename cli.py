@@ -1,6 +1,6 @@
 """The command line and everything that keeps a run safe: presets and flags -> configs, input
-checks before anything is written, run folders (locks, options that must agree), signals, and
-running several runs at once. `python train.py ...` is this module's `main`.
+checks before anything is written, run folders (locks, options that must agree), and the --reproduce
+front (which runs, their plan and times, the tables). `python train.py ...` is this module's `main`.
 
     python train.py --method rope --task flipflop          # one model, table + plot in runs/
     python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2 --jobs 3
@@ -8,9 +8,10 @@ running several runs at once. `python train.py ...` is this module's `main`.
     python train.py --help-method upe                      # a method's --method-opt options
 
 `run(cfg)` is one run with every check: validate the config, refuse a folder in use or holding other
-options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print the table. `run_many`
-runs configs one after another or `--jobs` at once in their own processes; `reproduce` runs the
-headline experiments of experiments.py and writes their tables and figures.
+options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print the table. jobs.py runs
+many of them (`jobs.run_many`: one after another, or `--jobs` at once in their own processes, under
+CUDA MPS on a GPU); `reproduce` runs the headline experiments of experiments.py and writes their
+tables and figures.
 
 (A file of its own so that train.py keeps the loop, checkpoints and the
 method registry, and stays short enough to read in one sitting.)
@@ -18,26 +19,16 @@ method registry, and stays short enough to read in one sitting.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import faulthandler
 import inspect
 import json
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
-import time
-import traceback
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,10 +37,11 @@ import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
 from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
-from evaluation import glob_stored, read_stored, save_atomic, stored, summary_line
+from evaluation import glob_stored, read_stored, save_atomic, stored
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
 from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, device_of, fmt_time, train
+from jobs import RunsFailed, check_failures, run_many, stop_signals, visible_gpus
 
 
 class UsageError(Exception):
@@ -353,38 +345,6 @@ def lock_run(run_dir: Path) -> Path:
     raise UsageError(f"cannot take {lock}")
 
 
-@contextlib.contextmanager
-def stop_signals():
-    """Within: SIGINT and SIGTERM set flag["stop"] (the loop stops at the next step boundary)
-    instead of interrupting wherever Python happens to be (only the main thread gets signals).
-    While the loop has flag["now"] set (its message: the run is checkpointed and an evaluation runs,
-    during training or the final one), a signal raises Interrupted at once, so that a long evaluation
-    stops within a moment; once it has evaluated, the loop removes it (after the final one, the run's
-    files are written whatever comes). Python drops an exception raised while it runs a finalizer (a
-    data loader's __del__, say): flag["check"](), which every such evaluation calls before each pass,
-    raises it again. After a stop, SIGTERM stays ignored: `timeout` and Slurm signal the process and then
-    its whole group, and the second signal would otherwise kill the process before it says where it
-    stopped."""
-    def check():
-        if flag["stop"] and flag.get("now"):
-            raise Interrupted(flag["now"])
-    flag = {"stop": None, "check": check}
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-
-    def handler(num, frame):
-        flag.update(stop=num)
-        if flag.get("now"):
-            raise Interrupted(flag["now"])
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield flag
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, signal.SIG_IGN if s == signal.SIGTERM and flag["stop"] else handler)
-
-
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
 EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
              "out"}
@@ -500,335 +460,6 @@ def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
 # =============================================================================================
 # Several runs at once
 # =============================================================================================
-
-class RunsFailed(Exception):
-    """Some of several runs failed; the others ran to the end."""
-
-
-class RunStopped(Exception):
-    """A --jobs run stopped by a signal, with its checkpoint written (an Exception, unlike
-    Interrupted, so that its process pool hands it back like any other outcome)."""
-
-
-def run_many(cfgs: list[TrainConfig], jobs: int = 1, resume: bool | str = False, force: bool = False,
-             mps: bool = True) -> list[str]:
-    """Train every config in turn, or `jobs` of them at once, each in its own process with its log in
-    <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
-    those of the runs one after the other. A run that fails (a NaN loss, CUDA out of memory, ...)
-    does not stop the others: returns one line per failed run. With several jobs on a GPU they run
-    under CUDA MPS (`mps_daemon`) unless mps is False."""
-    t0, failed = time.time(), []
-
-    def failure(folder, e):
-        failed.append(f"{folder}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-        print(f"  [{fmt_time(time.time() - t0)}] failed {failed[-1]}", flush=True)
-
-    if jobs <= 1 or len(cfgs) <= 1:
-        for cfg in cfgs:
-            try:
-                run(cfg, resume=resume, force=force)
-            except Exception as e:
-                traceback.print_exc()
-                failure(cfg.run_dir(), e)
-        return failed
-    gpus = visible_gpus()
-    print(f"{len(cfgs)} runs, {jobs} at a time" + (f" over GPUs {', '.join(gpus)}" if len(gpus) > 1 else "")
-          + "; each logs to <run>/train.log")
-    ctx = multiprocessing.get_context("spawn")                   # CUDA: no fork
-    stop = ctx.Event()                                           # set: queued runs do not start
-    on_cpu = all(device_of(cfg.device) == "cpu" for cfg in cfgs)
-    shared = mps and gpus and min(jobs, len(cfgs)) > len(gpus)   # some GPU runs several jobs
-    sharing = mps_daemon(Path(cfgs[0].out) / ".mps", gpus) if shared else \
-        passive_threads() if on_cpu else contextlib.nullcontext()
-    stopped = []
-    with stop_signals() as flag, sharing as renamed, \
-            ProcessPoolExecutor(jobs, mp_context=ctx, initializer=start_job,
-                                initargs=((renamed or gpus) if len(gpus) > 1 else [], ctx.Value("i", 0), stop)) as pool:
-        futures = {pool.submit(run_logged, cfg, resume, force): cfg for cfg in cfgs}
-        pending, passed_on, ended, finished = set(futures), False, 0, 0
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            if flag["stop"] and not passed_on:   # Ctrl-C reaches every process of the group; `kill PID`
-                passed_on = True                 # only this one: the runs stop at their next step either way
-                stop.set()
-                for process in list(pool._processes.values()):   # the pool's processes (no public accessor)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(process.pid, signal.SIGTERM)
-            for future in done:
-                folder, ended = futures[future].run_dir(), ended + 1
-                try:
-                    print(f"  [{fmt_time(time.time() - t0)}] done {folder} ({ended} of {len(cfgs)}): {future.result()}",
-                          flush=True)
-                    finished += 1
-                except RunStopped as e:
-                    started = str(e) != NOT_STARTED
-                    if started:
-                        stopped.append(folder)
-                    print(f"  [{fmt_time(time.time() - t0)}] {folder}: "
-                          + ("stopped, checkpoint written" if started else "not started"), flush=True)
-                except Exception as e:
-                    failure(folder, e)           # its traceback is in its train.log
-        end_pool(pool)
-    if flag["stop"]:                         # a run in its last moments may finish all the same
-        left = len(cfgs) - finished - len(failed)
-        raise Interrupted(f"stopped by signal {flag['stop']}: {len(stopped)} of {len(cfgs)} runs wrote a checkpoint"
-                          + (f", {finished} finished" if finished else "")
-                          + ((" (the same command continues each from it" if resume == "auto" else
-                              " (--resume continues a run from it") + "; <run>/train.log says where each stopped)"
-                             if left else "; every run finished")
-                          + (f"; {len(failed)} failed" if failed else ""))
-    return failed
-
-
-@contextlib.contextmanager
-def passive_threads():
-    """For jobs on the CPU: the processes started in the block get OMP_WAIT_POLICY=PASSIVE, so that
-    PyTorch's threads sleep between parallel regions instead of spinning. Each job starts a thread per
-    core, and spinning threads of several jobs on the same cores wait on each other (docs/perf/
-    training.md). Each job keeps a run's usual thread count, so its results are those of the run
-    alone, bit for bit. A policy the user set is kept."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-
-
-POOL_EXIT_WAIT = 10.0   # seconds for the job processes to exit once every run has ended (on a GPU they
-                        # were seen not to exit on their own: docs/perf/vipe.md, "Stopping runs")
-
-
-def end_pool(pool: ProcessPoolExecutor, wait: float = POOL_EXIT_WAIT, log=lambda line: print(line, flush=True)):
-    """Shut down a pool whose runs have all ended, waiting at most `wait` seconds for its processes
-    to exit. Every run's outcome is in by then (a stopped run has written its checkpoint), so a job
-    process that has not exited (a thread or a child it left behind, its GPU context at exit) is
-    killed with its child processes, with one line that says so and one per process on what it was
-    doing, instead of holding the command until its time limit."""
-    processes = list((pool._processes or {}).values())   # the pool's processes (no public accessor)
-    pool.shutdown(wait=False)                              # its own thread joins them from now on, so
-    running = {process.sentinel: process for process in processes}   # watch their sentinels (ready once
-    deadline = time.time() + wait                          # a process has ended), not their exit codes
-    while running and time.time() < deadline:
-        for sentinel in multiprocessing.connection.wait(list(running), max(0.0, deadline - time.time())):
-            running.pop(sentinel)
-    stuck = list(running.values())
-    states = [process_state(process.pid) for process in stuck]     # read before anything is killed
-    for process in stuck:                                          # its children first: a data worker
-        for pid in child_pids(process.pid) + [process.pid]:          # would outlive its job process
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    if stuck:
-        multiprocessing.connection.wait([process.sentinel for process in stuck], 10.0)
-        log(f"  killed {len(stuck)} job process{'es' if len(stuck) > 1 else ''} (pid "
-            f"{', '.join(str(x.pid) for x in stuck)}) still there {wait:g} s after the runs ended")
-        for process, state in zip(stuck, states):
-            if state:
-                log(f"    pid {process.pid} was {state}")
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is pid, from Linux's /proc (none where there is no /proc)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:   # fields after "(name) ": state, ppid
-                found.append(int(entry.name))
-    return found
-
-
-def process_state(pid: int) -> str:
-    """What a process is doing, as /proc says: its state letter (R running, S sleeping, D in I/O, Z ended)
-    and the kernel function it waits in, and the same for each of its child processes; "" without /proc.
-    A process waiting for its children reads, for example, "S in do_wait; children: 812 S in futex_wait"."""
-    def one(p: int) -> str:
-        stat = Path(f"/proc/{p}/stat").read_text()
-        letter = stat[stat.rindex(")") + 2:].split()[0]
-        with contextlib.suppress(OSError):
-            where = Path(f"/proc/{p}/wchan").read_text().strip()
-            if where not in ("", "0"):
-                return f"{letter} in {where}"
-        return letter
-    try:
-        own = one(pid)
-    except (OSError, ValueError, IndexError):
-        return ""
-    children = []
-    for child in child_pids(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            children.append(f"{child} {one(child)}")
-    return own + (f"; children: {', '.join(children)}" if children else "; no child processes")
-
-
-MPS_CONTROL = "nvidia-cuda-mps-control"
-MPS_WAIT = 10.0   # seconds: for the daemon to open its control pipe, and to quit before it is killed
-MPS_COST = ("the runs sharing a GPU take turns on it instead (measured on an H100: 8 ViPE runs at 1.12x one "
-            "run's steps/s, 1.62x under MPS; docs/perf/training.md)")
-
-
-@contextlib.contextmanager
-def mps_daemon(folder: Path, gpus: list[str], log=print):
-    """CUDA MPS for the duration of the block, so that the kernels of the processes sharing a GPU run
-    side by side instead of taking turns. Starts `nvidia-cuda-mps-control -f` on `gpus` (this process's
-    CUDA_VISIBLE_DEVICES) with its pipe and log folders under `folder` (the pipe in /tmp when that path
-    is too long for a socket), points the processes started in the block at it through
-    CUDA_MPS_PIPE_DIRECTORY, and on leaving, however the block ends (Ctrl-C too), asks it to quit and
-    ends it: nothing is left running. Its clients see the daemon's GPUs numbered from 0 (GPUs "2,3"
-    are "0,1" to them), so the block's CUDA_VISIBLE_DEVICES is that numbering and the block receives
-    the GPU names for the processes it starts. A daemon the user runs already
-    (CUDA_MPS_PIPE_DIRECTORY set) is used as it is. Where none can start, one line says why and what
-    that costs, and the block runs without (receiving None: the names are unchanged)."""
-    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-        log(f"MPS: using the daemon at CUDA_MPS_PIPE_DIRECTORY={os.environ['CUDA_MPS_PIPE_DIRECTORY']}")
-        yield
-        return
-    exe = shutil.which(MPS_CONTROL)
-    if exe is None:
-        log(f"MPS: {MPS_CONTROL} not found; {MPS_COST}")
-        yield
-        return
-    pipe, logs = folder / "pipe", folder / "log"
-    logs.mkdir(parents=True, exist_ok=True)
-    if len(str(pipe.resolve())) > 80:                 # the daemon's sockets live in it (108-byte paths)
-        pipe = Path(tempfile.mkdtemp(prefix="mps-"))
-    pipe.mkdir(parents=True, exist_ok=True)
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe.resolve()), "CUDA_MPS_LOG_DIRECTORY": str(logs.resolve())}
-    with open(logs / "daemon.out", "ab") as out:
-        daemon = subprocess.Popen([exe, "-f"], env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)   # Ctrl-C reaches us only
-    deadline = time.time() + MPS_WAIT
-    while daemon.poll() is None and not (pipe / "control").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    if daemon.poll() is not None or not (pipe / "control").exists():
-        stop_mps(exe, daemon, env)
-        said = (logs / "daemon.out").read_text(errors="replace").strip().splitlines()
-        why = said[-1] if said else f"no control pipe after {MPS_WAIT:g} s"
-        log(f"MPS: {MPS_CONTROL} did not start ({why}); {MPS_COST}")
-        yield
-        return
-    log(f"MPS: daemon started for these runs (logs in {logs})")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    renamed = [str(i) for i in range(len(gpus))]
-    os.environ.update(env, CUDA_VISIBLE_DEVICES=",".join(renamed))   # the processes started in the block inherit it
-    try:
-        yield renamed
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-        stop_mps(exe, daemon, env, log)
-
-
-def stop_mps(exe: str, daemon: subprocess.Popen, env: dict, log=None):
-    """Ask the daemon to quit (it stops its server too); kill it if it has not gone within MPS_WAIT."""
-    if daemon.poll() is None:
-        try:
-            subprocess.run([exe], input=b"quit\n", env={**os.environ, **env}, capture_output=True,
-                           timeout=MPS_WAIT)
-            daemon.wait(timeout=MPS_WAIT)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-            if log:
-                log(f"MPS: the daemon had not quit {MPS_WAIT:g} s after it was asked to: killed")
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (none without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    named = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = torch.cuda.device_count()
-    return [g.strip() for g in named.split(",")][:count] if named else [str(i) for i in range(count)]
-
-
-STOP = None                 # in a --jobs process: the command's stop event (start_job)
-NOT_STARTED = "not started"
-
-
-def start_job(gpus: list[str], counter, stop):
-    """A --jobs process's first act: keep the command's stop event, and with several GPUs take one.
-    Between runs the process ignores SIGINT and SIGTERM (each run stops on them while it trains): a
-    signal to the whole group would otherwise kill a process that waits for work, which breaks the
-    pool and makes every run still going read as failed. The stop event keeps queued runs from starting."""
-    global STOP
-    STOP = stop
-    faulthandler.enable(sys.__stderr__)   # as main does: a crash prints where the job was, on the command's stderr
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
-    if gpus:
-        take_gpu(gpus, counter)
-
-
-def take_gpu(gpus: list[str], counter):
-    """Take the next of the GPUs in turn (before CUDA starts in this process), so that the jobs
-    spread evenly, ceil(jobs / GPUs) on each."""
-    with counter.get_lock():
-        k, counter.value = counter.value, counter.value + 1
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
-
-
-def check_failures(failed: list[str], n_runs: int):
-    if failed:
-        raise RunsFailed(f"{len(failed)} of {n_runs} runs failed (the others ran to the end); the first: "
-                         f"{failed[0]}")
-
-
-def run_logged(cfg: TrainConfig, resume: bool | str = False, force: bool = False) -> str:
-    """run() with its progress lines in <run>/train.log; returns the one-line summary. A run that a
-    signal stops raises RunStopped; one whose turn comes after the command was stopped, at once."""
-    if STOP is not None and STOP.is_set():
-        raise RunStopped(NOT_STARTED)
-    path = cfg.run_dir() / "train.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        print(f"process {os.getpid()}, {torch.get_num_threads()} CPU threads"
-              + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if os.environ.get("OMP_WAIT_POLICY") else "")
-              + (f", CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
-                 if os.environ.get("CUDA_VISIBLE_DEVICES") is not None else "")
-              + (", under CUDA MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""), file=f, flush=True)
-        before = set(multiprocessing.active_children())
-        try:
-            metrics = run(cfg, resume, log=lambda line: print(line, file=f, flush=True), force=force)
-        except Interrupted as e:
-            print(e, file=f, flush=True)
-            if STOP is not None:
-                STOP.set()                 # the signal stops the command: its queued runs do not start
-            raise RunStopped(str(e)) from None
-        except Exception:
-            print(traceback.format_exc(), file=f, flush=True)
-            raise
-        finally:
-            end_children(before, log=lambda line: print(line, file=f, flush=True))
-    return summary_line(metrics["eval"], metrics["train_max_length"])
-
-
-def end_children(before: set, log=print):
-    """Kill the processes that a run started in this process and left behind once it has ended (a data
-    worker that did not exit when its loader closed): they ignore SIGTERM, and at its own exit a process
-    sends its children SIGTERM and then waits for them, so the job process would never end. While it
-    kills them, torch's SIGCHLD handler is off: for a worker of a loader still open it would raise
-    "DataLoader worker ... is killed" in place of the run's outcome (a finished or checkpointed run)."""
-    left = [p for p in multiprocessing.active_children() if p not in before]
-    quiet = left and threading.current_thread() is threading.main_thread()
-    if quiet:
-        handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for process in left:
-        process.kill()
-    for process in left:
-        process.join(5)
-    if quiet:
-        signal.signal(signal.SIGCHLD, handler)
-    if left:
-        log(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that the run started and left behind "
-            f"(pid {', '.join(str(p.pid) for p in left)})")
-
 
 # =============================================================================================
 # The command line
@@ -1116,7 +747,7 @@ def run_commandline_runs(args, cfgs: list[TrainConfig], preset_name: str) -> int
         run(cfgs[0], resume=args.resume, force=args.force)   # one run: its own error, e.g. a NaN loss, as it is
         failed = []
     else:
-        failed = run_many(cfgs, args.jobs, args.resume, args.force, mps=not args.no_mps)
+        failed = run_many(cfgs, run, args.jobs, args.resume, args.force, mps=not args.no_mps)
     write_summaries(cfgs)
     plot = plot_task(Path(args.out) / args.task)
     print(f"wrote {cfgs[0].run_dir().parent}/metrics.json and {plot}")
@@ -1236,7 +867,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     # the next one's; the longest first (those of unknown time before them), so that the last to end are short
     queue = sorted((cfg for cfg in everything if id(cfg) in todo),
                    key=lambda cfg: -math.inf if times[id(cfg)] is None else -times[id(cfg)])
-    failed = run_many(queue, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
+    failed = run_many(queue, run, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")

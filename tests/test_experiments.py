@@ -15,6 +15,7 @@ import torch
 import evaluation
 import experiments
 import cli
+import jobs
 import train
 from cli import main, make_config, validate
 
@@ -121,8 +122,8 @@ def test_jobs_run_concurrently_with_the_results_of_sequential_runs(capsys, tmp_p
     tiny = ["--task", "copy", "--methods", "nope,rope", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
             "--steps", "15", "--batch-size", "8", "--n-eval", "8", "--train-lengths", "1-3", "--test-lengths", "2,5",
             "--device", "cpu"]
-    for jobs, out in (("1", tmp_path / "seq"), ("2", tmp_path / "par")):
-        code, stdout, _ = run_cli(capsys, *tiny, "--jobs", jobs, "--out", str(out))
+    for n_jobs, out in (("1", tmp_path / "seq"), ("2", tmp_path / "par")):
+        code, stdout, _ = run_cli(capsys, *tiny, "--jobs", n_jobs, "--out", str(out))
         assert code == 0
     assert "2 runs, 2 at a time" in stdout and stdout.count("done ") == 2
     for m in ("nope", "rope"):
@@ -738,7 +739,8 @@ def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch
     """With two GPUs visible, --jobs 4 starts four processes, two on each GPU (CUDA_VISIBLE_DEVICES
     set in each before CUDA starts there); every run's log says which process and GPU ran it."""
     import re
-    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0", "1"])
+    for module in (cli, jobs):
+        monkeypatch.setattr(module, "visible_gpus", lambda: ["0", "1"])
     tiny = ["--task", "copy", "--methods", "nope,rope", "--seeds", "0,1", "--d-model", "16", "--n-layers", "1",
             "--n-heads", "2", "--steps", "3", "--batch-size", "4", "--n-eval", "4", "--train-lengths", "1-3",
             "--test-lengths", "2", "--device", "cpu", "--out", str(tmp_path)]
@@ -754,7 +756,7 @@ def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch
 
 
 FAKE_MPS = """#!/bin/sh
-# the control daemon's life as cli.mps_daemon sees it: -f opens the control pipe and runs until told to quit
+# the control daemon's life as jobs.mps_daemon sees it: -f opens the control pipe and runs until told to quit
 d="$CUDA_MPS_PIPE_DIRECTORY"
 if [ "$1" = "-f" ]; then
   [ -n "$FAKE_MPS_FAIL" ] && { echo "$FAKE_MPS_FAIL"; exit 1; }
@@ -770,11 +772,11 @@ def fake_mps(tmp_path, monkeypatch):
     """A stand-in nvidia-cuda-mps-control first on PATH; returns where its pid file will be."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / cli.MPS_CONTROL).write_text(FAKE_MPS)
-    (bin_dir / cli.MPS_CONTROL).chmod(0o755)
+    (bin_dir / jobs.MPS_CONTROL).write_text(FAKE_MPS)
+    (bin_dir / jobs.MPS_CONTROL).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.setattr(cli, "MPS_WAIT", 2.0)
+    monkeypatch.setattr(jobs, "MPS_WAIT", 2.0)
 
 
 def alive(pid: int) -> bool:
@@ -796,7 +798,8 @@ def test_jobs_sharing_a_gpu_run_under_an_mps_daemon_that_ends_with_the_command(c
     """Two jobs on one (faked) GPU: the command starts the daemon with its folders under the output,
     both runs see it, and it has quit when the command returns."""
     fake_mps(tmp_path, monkeypatch)
-    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0"])
+    for module in (cli, jobs):
+        monkeypatch.setattr(module, "visible_gpus", lambda: ["0"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "runs"))
     assert code == 0 and "MPS: daemon started" in stdout, stdout
@@ -815,7 +818,8 @@ def test_jobs_under_mps_name_the_gpus_as_the_daemon_numbers_them(capsys, tmp_pat
     import re
     fake_mps(tmp_path, monkeypatch)
     gpus = visible.split(",")
-    monkeypatch.setattr(cli, "visible_gpus", lambda: gpus)
+    for module in (cli, jobs):
+        monkeypatch.setattr(module, "visible_gpus", lambda: gpus)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, *TINY_JOBS[:-1], str(2 * len(gpus) + 1), "--seeds", "0,1", "--out", str(out))
@@ -831,10 +835,10 @@ def test_jobs_under_mps_name_the_gpus_as_the_daemon_numbers_them(capsys, tmp_pat
 def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkeypatch):
     fake_mps(tmp_path, monkeypatch)
     monkeypatch.setenv("FAKE_MPS_HANG", "1")                 # quit is ignored: the daemon is killed instead
-    monkeypatch.setattr(cli, "MPS_WAIT", 0.5)
+    monkeypatch.setattr(jobs, "MPS_WAIT", 0.5)
     lines = []
     with pytest.raises(KeyboardInterrupt):
-        with cli.mps_daemon(tmp_path / "out" / ".mps", ["0"], log=lines.append):
+        with jobs.mps_daemon(tmp_path / "out" / ".mps", ["0"], log=lines.append):
             assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str((tmp_path / "out" / ".mps" / "pipe").resolve())
             pid = int((tmp_path / "out" / ".mps" / "pipe" / "pid").read_text())
             assert alive(pid)
@@ -846,15 +850,16 @@ def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkey
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
 def test_without_mps_the_jobs_run_and_one_line_says_what_it_costs(capsys, tmp_path, monkeypatch):
     """No daemon program, or one that fails to start: one line each, and the runs still finish."""
-    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0"])
+    for module in (cli, jobs):
+        monkeypatch.setattr(module, "visible_gpus", lambda: ["0"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr(cli, "MPS_CONTROL", "no-such-mps-control-program")
+    monkeypatch.setattr(jobs, "MPS_CONTROL", "no-such-mps-control-program")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "a"))
     line = [x for x in stdout.splitlines() if x.startswith("MPS:")]
     assert code == 0 and len(line) == 1 and "not found; the runs sharing a GPU take turns" in line[0]
     assert len(list((tmp_path / "a").glob("copy/*/seed0/metrics.json"))) == 2
-    monkeypatch.setattr(cli, "MPS_CONTROL", "nvidia-cuda-mps-control")
+    monkeypatch.setattr(jobs, "MPS_CONTROL", "nvidia-cuda-mps-control")
     fake_mps(tmp_path, monkeypatch)
     monkeypatch.setenv("FAKE_MPS_FAIL", "An instance of this daemon is already running")
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "b"))
@@ -882,7 +887,7 @@ def test_a_job_process_that_does_not_exit_is_killed_once_the_runs_have_ended():
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))   # one: no process still
     stuck = pool.submit(_leave_a_thread_running, 600).result(timeout=120)            # starting when it ends
     lines, t0 = [], time.time()
-    cli.end_pool(pool, wait=2.0, log=lines.append)
+    jobs.end_pool(pool, wait=2.0, log=lines.append)
     while alive(stuck) and time.time() - t0 < 20:   # a killed process closes its sentinel before it is a
         time.sleep(0.05)                            # zombie: /proc may show it running for a moment
     assert time.time() - t0 < 30 and not alive(stuck)
@@ -891,7 +896,7 @@ def test_a_job_process_that_does_not_exit_is_killed_once_the_runs_have_ended():
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     pool.submit(os.getpid).result(timeout=120)                 # processes that exit: no line, no wait
     t0, before = time.time(), len(lines)
-    cli.end_pool(pool, wait=60.0, log=lines.append)
+    jobs.end_pool(pool, wait=60.0, log=lines.append)
     assert time.time() - t0 < 30 and len(lines) == before
 
 
@@ -922,9 +927,9 @@ def test_a_job_process_waiting_for_its_child_is_killed_with_it_and_the_wait_is_n
     from concurrent.futures import ProcessPoolExecutor
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     job, child = pool.submit(_leave_a_child_that_ignores_sigterm, 600).result(timeout=120)
-    assert cli.child_pids(job) == [child]
+    assert jobs.child_pids(job) == [child]
     lines = []
-    cli.end_pool(pool, wait=3.0, log=lines.append)
+    jobs.end_pool(pool, wait=3.0, log=lines.append)
     time.sleep(0.5)
     assert not alive(job) and not alive(child), lines
     assert lines[0] == f"  killed 1 job process (pid {job}) still there 3 s after the runs ended"
@@ -951,7 +956,7 @@ def test_a_job_kills_the_processes_its_run_left_behind_and_says_so(tmp_path, mon
     monkeypatch.setattr(cli, "run", a_run_that_leaves_a_worker)
     cfg = cli.make_config({"task": "copy", "method": "rope", "out": str(tmp_path)}, "cpu")
     try:
-        cli.run_logged(cfg)
+        jobs.run_logged(cli.run, cfg)
         assert not left["p"].is_alive() and older.is_alive()
         log = (cfg.run_dir() / "train.log").read_text()
         assert f"killed 1 process that the run started and left behind (pid {left['p'].pid})" in log
@@ -975,7 +980,7 @@ def test_a_job_ends_the_data_workers_of_a_loader_its_run_left_open(tmp_path, mon
     monkeypatch.setattr(cli, "run", a_run_that_keeps_its_loader)
     cfg = cli.make_config({"task": "copy", "method": "rope", "out": str(tmp_path)}, "cpu")
     before = set(multiprocessing.active_children())
-    assert cli.run_logged(cfg).startswith("exact")
+    assert jobs.run_logged(cli.run, cfg).startswith("exact")
     assert not [p for p in multiprocessing.active_children() if p not in before]
     assert "killed 2 processes that the run started and left behind" in (cfg.run_dir() / "train.log").read_text()
     kept.clear()
@@ -1022,11 +1027,11 @@ def test_a_signal_while_a_job_process_waits_for_work_breaks_no_run(tmp_path):
     import subprocess
     import time
     root = Path(__file__).resolve().parents[1]
-    script = (f"import sys; sys.path.insert(0, {str(root)!r}); import cli, train\n"
+    script = (f"import sys; sys.path.insert(0, {str(root)!r}); import cli, jobs, train\n"
               f"cfgs = [cli.make_config(dict(task='copy', method=m, steps=s, d_model=16, n_layers=1, n_heads=2, "
               f"batch_size=4, n_eval=4, out={str(tmp_path)!r}), 'cpu') "
               f"for m, s in (('nope', 5), ('rope', 100000), ('alibi', 100000))]\n"
-              "try:\n    cli.run_many(cfgs, jobs=3)\nexcept train.Interrupted as e:\n    print(e); sys.exit(130)\n")
+              "try:\n    jobs.run_many(cfgs, cli.run, jobs=3)\nexcept train.Interrupted as e:\n    print(e); sys.exit(130)\n")
     out_file = tmp_path / "out.txt"
     with open(out_file, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=out, stderr=subprocess.STDOUT,
@@ -1315,7 +1320,8 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
         pytest.approx(30.0), "measured: seed0, sharing not recorded there")
     args = cli.build_parser().parse_args(["--jobs", "5"])
     assert cli.speed(args, "cpu", 9)["runs_at_once"] == 5 and cli.speed(args, "cpu", 3)["runs_at_once"] == 3
-    monkeypatch.setattr(cli, "visible_gpus", lambda: ["0", "1"])
+    for module in (cli, jobs):
+        monkeypatch.setattr(module, "visible_gpus", lambda: ["0", "1"])
     assert cli.speed(args, "cuda", 9)["runs_at_once"] == 3 and cli.speed(args, "cuda", 2)["runs_at_once"] == 1
 
 

@@ -45,6 +45,13 @@ def test_method_files_import_no_loop():
     assert "cli" not in GRAPH["train"]
 
 
+def test_the_job_runner_sits_between_the_command_line_and_the_loop():
+    """cli -> jobs -> train: the runner imports the loop and below, never the command line or the tables
+    (it receives the function that makes one run), and the command line uses it."""
+    assert "jobs" in GRAPH["cli"] and "train" in GRAPH["jobs"]
+    assert not GRAPH["jobs"] & {"cli", "experiments", "bench"}, sorted(GRAPH["jobs"])
+
+
 def test_no_import_circle():
     state = {}
 
@@ -68,8 +75,8 @@ def test_the_graph_sees_the_imports():
 
 
 # The top-level files of README's Layout (evaluation.py's docstring says why it is not part of train.py)
-LAYOUT = {"tasks", "model", "train", "evaluation", "cli", "experiments", "prism", "path_attention", "vipe", "upe",
-          "bench"}
+LAYOUT = {"tasks", "model", "train", "evaluation", "cli", "jobs", "experiments", "prism", "path_attention", "vipe",
+          "upe", "bench"}
 
 
 def test_top_level_files_are_the_layouts_and_train_py_reads_in_one_sitting():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import cli
+import jobs
 import evaluation
 import experiments
 import train
@@ -277,7 +278,7 @@ def test_a_crash_in_c_code_prints_where_python_was(tmp_path):
 
 
 def test_a_signal_raises_at_once_only_after_training(monkeypatch):
-    with cli.stop_signals() as flag:
+    with jobs.stop_signals() as flag:
         os.kill(os.getpid(), signal.SIGINT)
         assert flag["stop"] == signal.SIGINT          # during training: noted, handled at the next step
         flag["now"] = "done training"

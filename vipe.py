@@ -226,9 +226,9 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
     The fine-tuning: `vipe_finetune` steps of the training stream with a fresh AdamW (vipe_ft_optim =
     fresh, the default) at the run's final learning rate (vipe_ft_lr to set another). The paper says
     only that the model is fine-tuned briefly with the compressed distances (eq. 7): a fine-tuning stage
-    starts from the trained weights with an optimiser of its own, as in the position-interpolation
-    recipes it follows; "continued" keeps the run's Adam moments instead, whose second moments were
-    made by gradients far smaller than those at the new s. The final rate is the rate the model
+    starts from the trained weights with an optimiser of its own, as the context-extension recipes it
+    compares with do (YaRN); "continued" keeps the run's Adam moments instead, whose second moments were
+    made by the small gradients of a converged run, not the large ones at the new s. The final rate is the rate the model
     converged at (the paper's setup trains at a constant rate, so it is its rate)."""
     rule, steps = run.opts.get("vipe_s", "fixed"), run.opts.get("vipe_finetune", 0)
     top, test_max = run.train_max, max(run.test_lengths)

@@ -57,7 +57,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     tokens x cursors x bins, leaves room for the runs sharing the GPU: a pass that runs out of GPU
     memory is split in two, a training step beside it is not). `s`: ctx["s"] for every length, or
     a function of the length (ViPE's rules); each row records its s. `stop`, if given, is called before
-    each forward pass and may raise to end the evaluation (train.train's, on a signal: cli.stop_signals)."""
+    each forward pass and may raise to end the evaluation (train.train's, on a signal: jobs.stop_signals)."""
     model.eval()
     rng = np.random.default_rng([seed, stream])
     every = {L: task.every_example(L, **(task_opts or {})) for L in lengths}

@@ -433,7 +433,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         stream.close()                           # stops the data workers, however the loop ends
     wall, (ran, loop, wait) = time.time() - t0, timing()
     train_step.release()
-    # from here to the evaluation's end a signal stops the run at once (cli.stop_signals; flag["check"] before
+    # from here to the evaluation's end a signal stops the run at once (jobs.stop_signals; flag["check"] before
     # each pass of the evaluation): the last step's checkpoint is written, and --resume goes straight to evaluating
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")

@@ -143,7 +143,8 @@ def read_stored(path: Path) -> str:
 
 def glob_stored(folder: Path, pattern: str) -> list[Path]:
     """folder.glob(pattern), files stored gzipped included under their plain names, sorted."""
-    return sorted({*Path(folder).glob(pattern), *(p.with_name(p.name[:-3]) for p in Path(folder).glob(pattern + ".gz"))})
+    packed = (p.with_name(p.name[:-3]) for p in Path(folder).glob(pattern + ".gz"))
+    return sorted({*Path(folder).glob(pattern), *packed})
 
 
 def json_text(obj, depth: int = 0) -> str:

@@ -9,8 +9,8 @@ An `Experiment` records the paper's setting, what was scaled down to fit minutes
 numbers and the columns of its table. `cli.reproduce` trains every run that is not present yet,
 then the functions here summarise each method over its seeds, redraw the task figures and write
 runs/reproduce/<name>.md (and <name>.png for a sweep over layers or n-back): the paper's numbers,
-the mean [90 % bootstrap interval] (min-max) over seeds at the last checkpoint, and the paper's own selection rule where it
-has one.
+the mean [90 % bootstrap interval] (min-max) over seeds at the last checkpoint, the paper's own
+selection rule where it has one, and the verdict.
 """
 from __future__ import annotations
 

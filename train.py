@@ -308,7 +308,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     train_max = max(train_lengths)
 
     def method_final(net, net_fwd, net_opt, during=False):   # what the method's final_eval works on (model.Final)
-        n, how = (cfg.n_eval_during or cfg.n_eval, replace(cfg, graphs=False, compile=False)) if during else (cfg.n_eval, cfg)
+        n = (cfg.n_eval_during or cfg.n_eval) if during else cfg.n_eval
+        how = replace(cfg, graphs=False, compile=False) if during else cfg
         return Final(cfg.model.opts, train_max, test_lengths, (lambda *_: None) if during else log, during=during,
                      evaluate=lambda lengths, s=1.0: evaluate(net, task, lengths, n, cfg.seed, device, cfg.task_opts, s,
                                                               precision=cfg.precision, stop=flag.get("check")),

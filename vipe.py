@@ -228,8 +228,8 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
     only that the model is fine-tuned briefly with the compressed distances (eq. 7): a fine-tuning stage
     starts from the trained weights with an optimiser of its own, as the context-extension recipes it
     compares with do (YaRN); "continued" keeps the run's Adam moments instead, whose second moments were
-    made by the small gradients of a converged run, not the large ones at the new s. The final rate is the rate the model
-    converged at (the paper's setup trains at a constant rate, so it is its rate)."""
+    made by the small gradients of a converged run, not the large ones at the new s. The final rate is the
+    rate the model converged at (the paper's setup trains at a constant rate, so it is its rate)."""
     rule, steps = run.opts.get("vipe_s", "fixed"), run.opts.get("vipe_finetune", 0)
     top, test_max = run.train_max, max(run.test_lengths)
     s_fixed = fixed_s(run.opts, top, test_max)
@@ -325,6 +325,7 @@ VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,
                                                  "test (default 0)", 0),
                        "vipe_ft_optim": Opt(str, "the fine-tuning's optimiser: fresh (a new AdamW) or continued "
                                                  "(the run's, with its moments) (default fresh)", choices=FT_OPTIMS),
-                       "vipe_ft_lr": Opt(float, "the fine-tuning's learning rate (default: the run's final one)", 1e-12),
+                       "vipe_ft_lr": Opt(float, "the fine-tuning's learning rate (default: the run's final one)",
+                                         1e-12),
                        "vipe_ramp": Opt(bool, "with vipe_finetune: s rises linearly from 1 to the fixed s over "
                                               "those steps (default false: s fixed throughout)")})

@@ -463,3 +463,6 @@ def test_evaluations_during_training_make_the_papers_reading_on_a_copy(tmp_path)
     assert [(r["exact"], r["token"]) for r in during["eval"]] == [(r["exact"], r["token"]) for r in plain["eval"]]
     assert [(r["exact"], r["token"]) for r in during["history"][-1]["final"]] == \
         [(r["exact"], r["token"]) for r in plain["eval"]]
+    fewer = train.train(dataclasses.replace(cfg, out=str(tmp_path / "c"), n_eval_during=2), log=lambda *_: None)
+    assert {r["n"] for h in fewer["history"] for r in h["final"] + h["eval"]} == {2}      # during: n_eval_during
+    assert {r["n"] for r in fewer["eval"]} == {8}                                        # the end: n_eval

@@ -1,5 +1,6 @@
 """Evaluation: exact match and token accuracy of a trained model at every test length of a task; and
-how every result file is written (save_atomic, json_text).
+how every result file is written (save_atomic, json_text) and read back, plain or gzipped (read_metrics,
+read_stored).
 
     from evaluation import evaluate, summary_line
     rows = evaluate(model, tasks.TASKS["copy"], [8, 16, 32], n=256, seed=0, device="cpu")
@@ -24,6 +25,7 @@ import gzip
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -145,6 +147,20 @@ def glob_stored(folder: Path, pattern: str) -> list[Path]:
     """folder.glob(pattern), files stored gzipped included under their plain names, sorted."""
     packed = (p.with_name(p.name[:-3]) for p in Path(folder).glob(pattern + ".gz"))
     return sorted({*Path(folder).glob(pattern), *packed})
+
+
+def read_metrics(path: Path, keys) -> dict | None:
+    """A metrics.json with the given keys, or None with a warning naming the file (a corrupt or
+    foreign file beside the runs must not stop a figure or a table of the others)."""
+    try:
+        m = json.loads(read_stored(path))
+        missing = [k for k in keys if k not in m]
+        if missing:
+            raise KeyError(f"no {', '.join(missing)}")
+        return m
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"warning: skipping {path}: not a readable metrics file ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
 
 
 def json_text(obj, depth: int = 0) -> str:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from tasks import TASKS
-from evaluation import glob_stored, read_stored, save_atomic, stored
+from evaluation import glob_stored, read_metrics, read_stored, save_atomic, stored
 from vipe import S_TEXT, ablation_label
 
 
@@ -58,20 +57,6 @@ def results_table(rows, train_max) -> str:
 # =============================================================================================
 # Summaries over seeds and the figure of a task
 # =============================================================================================
-
-def read_metrics(path: Path, keys) -> dict | None:
-    """A metrics.json with the given keys, or None with a warning naming the file (a corrupt or
-    foreign file beside the runs must not stop a figure or a table of the others)."""
-    try:
-        m = json.loads(read_stored(path))
-        missing = [k for k in keys if k not in m]
-        if missing:
-            raise KeyError(f"no {', '.join(missing)}")
-        return m
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"warning: skipping {path}: not a readable metrics file ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
-
 
 def seed_metrics(method_dir: Path, only: list[int] | None = None,
                  keys=("seed", "eval", "train_max_length")) -> list[dict]:

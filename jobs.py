@@ -1,7 +1,8 @@
 """Running many configs at once: one after another, or `--jobs` of them in a process pool, each logging to its
 <run>/train.log; SIGINT and SIGTERM turned into checkpoints (`stop_signals`); CUDA MPS so that runs sharing a GPU
-run side by side; the GPUs shared out between the jobs; and job processes that outlive their runs found (/proc)
-and ended.
+run side by side; the GPUs shared out between the jobs; job processes that outlive their runs found (/proc)
+and ended; and, before training, how long each run will take (`time_of`, `print_plan`: the queue starts with
+the longest).
 
     failed = jobs.run_many(cfgs, cli.run, jobs=4)     # cli.run: one run with every check of the command line
 
@@ -11,6 +12,7 @@ imports train.py and below, never cli.py: `run_many` receives the function that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -24,12 +26,14 @@ import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from evaluation import fmt_time, summary_line
-from train import Interrupted, TrainConfig, device_of
+from evaluation import fmt_time, glob_stored, read_metrics, summary_line
+from train import CKPT, Interrupted, TrainConfig, device_of
 
 
 @contextlib.contextmanager
@@ -391,3 +395,128 @@ def end_children(before: set, log=print):
     if left:
         log(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that the run started and left behind "
             f"(pid {', '.join(str(p.pid) for p in left)})")
+
+
+# =============================================================================================
+# Before training: the plan, and each run's time
+# =============================================================================================
+
+def print_plan(everything: list[TrainConfig], todo: set, present: set, jobs: int, other: dict, scope: str,
+               outside: str) -> dict:
+    """Before training: each run of the list (`todo`, `present`: ids of the configs this command trains
+    and of those with metrics, `other`: runs present with other options, from other_setup; `scope`: the
+    part of the list the command takes, for the first line; `outside`: the state of a run outside it),
+    whether this command trains it (from its checkpoint, where it has one), and its time: measured (the
+    wall time of the same setup with another seed, per step) or estimated (the run of the same task and
+    method with the closest settings, per step and sequence), else unknown. Returns {id of a config to
+    train: seconds or None}."""
+    print(f"{len(everything)} runs{scope}; {len(todo)} to train" + (f", {jobs} at once" if jobs > 1 else "") + ":")
+    total, unknown, times = 0.0, 0, {}
+    for k, cfg in enumerate(everything):
+        state = ("train" if id(cfg) in todo else "other setup" if id(cfg) in other
+                 else "present" if id(cfg) in present else outside)
+        line = f"  {k:3d} {state:11s} {cfg.run_dir()}" + (f"  ({other[id(cfg)]})" if id(cfg) in other else "")
+        if state == "train":
+            seconds, how = time_of(cfg)
+            done = checkpoint_step(cfg)
+            times[id(cfg)] = seconds = None if seconds is None else seconds * (1 - done / cfg.steps)
+            if seconds is None:
+                unknown += 1
+                line += "  time unknown (no run of this task and method on this kind of device yet)"
+            else:
+                total += seconds
+                line += f"  {fmt_time(seconds)} ({how})"
+            line += f", from its checkpoint at step {done}" if done else ""
+        print(line)
+    if todo and unknown == len(todo):
+        print("  in all: unknown until one run of each setup has finished")
+    elif todo:
+        print(f"  in all about {fmt_time(total / max(1, min(jobs, len(todo))))}"
+              + (f" with {jobs} at once, if they share the device evenly" if jobs > 1 else "")
+              + (f", plus {unknown} run(s) of unknown time" if unknown else ""))
+    return times
+
+
+def checkpoint_step(cfg: TrainConfig) -> int:
+    """The step of the run's checkpoint (0: none, or unreadable, which the run reports when it starts)."""
+    try:
+        return int(torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False)["step"])
+    except Exception:
+        return 0
+
+
+# settings that do not change what one step costs, or that every run has its own of
+NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "tf32", "runs_at_once", "preset",
+            "log_every", "ckpt_every"}
+
+
+def differences(a: dict, b: dict) -> int:
+    """How many settings two runs' configs (asdict(TrainConfig)) differ in, the model's counted one by one."""
+    flat = lambda c: {**{k: v for k, v in c.items() if k != "model"}, **c.get("model", {})}  # noqa: E731
+    fa, fb = flat(a), flat(b)
+    return sum(fa.get(k) != fb.get(k) for k in set(fa) | set(fb) if k not in NOT_COST)
+
+
+RESULTS = Path(__file__).parent / "docs" / "results"   # the committed runs: times where --out has none
+
+
+def time_of(cfg: TrainConfig) -> tuple[float | None, str]:
+    """(seconds, "measured: seedS" | "measured: median of N seeds" | "estimate: LABEL") for one run, from the
+    metrics of runs already present on the same kind of device (a GPU's time says nothing of a CPU's): the
+    other seeds of the same run (the median of their times), else the run of the same task and method whose
+    settings differ from this one's in the fewest (its time per step, scaled by the batch size). Looked for in
+    --out, then in this repository's committed runs (RESULTS; the label then says "in docs/results").
+    Runs that share a device are taken to split it evenly: a time measured with k runs at once counts as
+    k times that of the run alone, and this run takes its own runs_at_once times that (the label says so
+    where the two differ; a run that recorded no runs_at_once counts as it ran, and the label says
+    "sharing not recorded": its time may include other runs' share of its device). The label also says where
+    those runs had another --compile or --tf32 than this one (not scaled for: their speed differs). Small models
+    that leave a GPU idle gain from sharing it (docs/perf/training.md, section 4), so for them the time is
+    overstated.
+    A run's time is its training loop's (wall_s, per step) and its final evaluation's (final_eval_s, with
+    ViPE's fine-tuning); runs from before that was recorded give the loop's alone, and the label says
+    "final evaluation not timed there"."""
+    seconds, how = time_in(cfg, Path(cfg.out))
+    if seconds is None and RESULTS.is_dir() and Path(cfg.out).resolve() != RESULTS.resolve():
+        seconds, how = time_in(cfg, RESULTS)
+        how = how.replace(": ", " in docs/results: ", 1)
+    return seconds, how
+
+
+def time_in(cfg: TrainConfig, out: Path) -> tuple[float | None, str]:
+    """`time_of` from the runs under `out` alone."""
+    cpu = device_of(cfg.device) == "cpu"
+    mine = dataclasses.replace(cfg, out=str(out))
+
+    def usable(path):
+        m = read_metrics(path, ("wall_s", "config", "device"))
+        ok = m and m["config"]["steps"] and m["config"].get("batch_size") and m["device"].startswith("cpu") == cpu
+        return m if ok else None
+
+    def seconds(m, batch=1.0):   # its loop at this run's steps (x batch) and its final evaluation, scaled
+        there = m["config"].get("runs_at_once")   # from the runs that shared its device to those sharing this one's
+        loop = m["wall_s"] / max(1, m["config"]["steps"]) * cfg.steps * batch
+        return (loop + m.get("final_eval_s", 0.0)) * (cfg.runs_at_once / there if there else 1)
+
+    def shared(ms):
+        there = sorted({m["config"]["runs_at_once"] for m in ms if "runs_at_once" in m["config"]})
+        unrecorded = any("runs_at_once" not in m["config"] for m in ms)
+        return ("" if there in ([], [cfg.runs_at_once]) else
+                f", {'/'.join(map(str, there))} at once there, {cfg.runs_at_once} here") + \
+            (", sharing not recorded there" if unrecorded else "") + \
+            (", final evaluation not timed there" if any("final_eval_s" not in m for m in ms) else "") + \
+            "".join(f", {'without' if getattr(cfg, flag) else 'with'} --{flag} there" for flag in ("compile", "tf32")
+                    if any(bool(m["config"].get(flag)) != bool(getattr(cfg, flag)) for m in ms))
+    seeds = [(m, path.parent.name) for path in glob_stored(mine.run_dir().parent, "seed*/metrics.json")
+             if (m := usable(path)) and m["config"]["batch_size"] == cfg.batch_size]
+    if seeds:       # their median: seeds of one setup ran beside different loads
+        return float(np.median([seconds(m) for m, _ in seeds])), "measured: " + (
+            seeds[0][1] if len(seeds) == 1 else f"median of {len(seeds)} seeds") + shared([m for m, _ in seeds])
+    settings = asdict(cfg)
+    others = [(differences(settings, m["config"]), path.parent.parent.name, m)
+              for path in glob_stored(out / cfg.task, f"{cfg.method}*/seed*/metrics.json")
+              if (m := usable(path))]
+    if not others:
+        return None, ""
+    _, label, m = min(others, key=lambda x: x[0])          # the first of the closest, in folder order
+    return seconds(m, cfg.batch_size / m["config"]["batch_size"]), "estimate: from " + label + shared([m])

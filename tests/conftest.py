@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def no_committed_times(monkeypatch, tmp_path_factory):
-    """cli.time_of also reads this repository's committed runs (cli.RESULTS): a test sees only the runs
-    it makes, unless it points cli.RESULTS somewhere itself."""
-    import cli
-    monkeypatch.setattr(cli, "RESULTS", tmp_path_factory.getbasetemp() / "no-committed-results")
+    """jobs.time_of also reads this repository's committed runs (jobs.RESULTS): a test sees only the runs
+    it makes, unless it points jobs.RESULTS somewhere itself."""
+    import jobs
+    monkeypatch.setattr(jobs, "RESULTS", tmp_path_factory.getbasetemp() / "no-committed-results")

@@ -1213,16 +1213,16 @@ def test_a_runs_time_is_estimated_from_the_most_similar_run_present(tmp_path):
     present("a", 10.0, n_layers=1, lr=1e-3, steps=50)              # differs in depth, lr and steps
     present("b", 30.0, n_layers=4, batch_size=16)                   # differs in the batch only
     cfg = make_config({**base, "tag": "c", "n_layers": 4}, "cpu")
-    seconds, how = cli.time_of(cfg)
+    seconds, how = jobs.time_of(cfg)
     assert how == "estimate: from rope-b" and seconds == pytest.approx(30.0 / 100 * 100 * 8 / 16)
     cfg = make_config({**base, "tag": "c", "n_layers": 1, "lr": 1e-3}, "cpu")
-    assert cli.time_of(cfg) == (pytest.approx(10.0 / 50 * 100), "estimate: from rope-a")
+    assert jobs.time_of(cfg) == (pytest.approx(10.0 / 50 * 100), "estimate: from rope-a")
     gpu = make_config({**base, "tag": "c", "device": "cuda"}, "cpu")
-    assert cli.time_of(gpu) == (None, "")
+    assert jobs.time_of(gpu) == (None, "")
 
 
 def test_times_come_from_the_committed_runs_where_out_has_none(tmp_path, monkeypatch):
-    """A fresh --out folder: a run's time is measured on the committed runs (cli.RESULTS) of the same
+    """A fresh --out folder: a run's time is measured on the committed runs (jobs.RESULTS) of the same
     setup, and says so; a run present in --out is preferred."""
     base = dict(task="copy", method="rope", device="cpu", steps=100, batch_size=8, d_model=32)
 
@@ -1232,12 +1232,12 @@ def test_times_come_from_the_committed_runs_where_out_has_none(tmp_path, monkeyp
         (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": wall,
                                                                 "final_eval_s": 0.0,
                                                                 "device": "cpu (2 cores)"}))
-    monkeypatch.setattr(cli, "RESULTS", tmp_path / "committed")
+    monkeypatch.setattr(jobs, "RESULTS", tmp_path / "committed")
     present(tmp_path / "committed", 50.0)
     cfg = make_config({**base, "out": str(tmp_path / "fresh")}, "cpu")
-    assert cli.time_of(cfg) == (pytest.approx(50.0), "measured in docs/results: seed1")
+    assert jobs.time_of(cfg) == (pytest.approx(50.0), "measured in docs/results: seed1")
     present(tmp_path / "fresh", 20.0)
-    assert cli.time_of(cfg) == (pytest.approx(20.0), "measured: seed1")
+    assert jobs.time_of(cfg) == (pytest.approx(20.0), "measured: seed1")
 
 
 def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
@@ -1251,7 +1251,7 @@ def test_a_runs_time_is_the_median_of_its_other_seeds(tmp_path):
                                                                 "final_eval_s": 0.0,
                                                                 "device": "cpu (2 cores)"}))
     cfg = make_config({**base, "seed": 3, "steps": 200}, "cpu")
-    assert cli.time_of(cfg) == (pytest.approx(40.0), "measured: median of 3 seeds")
+    assert jobs.time_of(cfg) == (pytest.approx(40.0), "measured: median of 3 seeds")
 
 
 def test_a_runs_time_counts_its_final_evaluation(capsys, tmp_path, monkeypatch):
@@ -1277,23 +1277,23 @@ def test_a_runs_time_counts_its_final_evaluation(capsys, tmp_path, monkeypatch):
     (cfg.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(cfg), "wall_s": 40.0,
                                                             "final_eval_s": 6.0, "device": "cpu (2 cores)"}))
     planned = make_config({**base, "seed": 1, "steps": 200}, "cpu")               # alone, twice the steps
-    assert cli.time_of(planned) == (pytest.approx((80.0 + 6.0) / 2), "measured: seed0, 2 at once there, 1 here")
+    assert jobs.time_of(planned) == (pytest.approx((80.0 + 6.0) / 2), "measured: seed0, 2 at once there, 1 here")
     other = make_config({**base, "tag": "x", "lr": 3e-4, "batch_size": 16}, "cpu")  # twice the batch: an estimate
-    assert cli.time_of(other) == (pytest.approx((80.0 + 6.0) / 2), "estimate: from rope, 2 at once there, 1 here")
+    assert jobs.time_of(other) == (pytest.approx((80.0 + 6.0) / 2), "estimate: from rope, 2 at once there, 1 here")
     legacy = make_config({**base, "tag": "old", "runs_at_once": 1}, "cpu")
     legacy.run_dir().mkdir(parents=True)
     (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": train.asdict(legacy), "wall_s": 30.0,
                                                                "device": "cpu (2 cores)"}))
-    assert cli.time_of(dataclasses.replace(legacy, seed=1)) == (
+    assert jobs.time_of(dataclasses.replace(legacy, seed=1)) == (
         pytest.approx(30.0), "measured: seed0, final evaluation not timed there")
     fast = dataclasses.replace(legacy, seed=1, compile=True)                      # a speed setting differs
-    assert cli.time_of(fast)[1] == "measured: seed0, final evaluation not timed there, without --compile there"
-    assert cli.time_of(dataclasses.replace(fast, compile=False, tf32=True))[1].endswith(", without --tf32 there")
+    assert jobs.time_of(fast)[1] == "measured: seed0, final evaluation not timed there, without --compile there"
+    assert jobs.time_of(dataclasses.replace(fast, compile=False, tf32=True))[1].endswith(", without --tf32 there")
     tf32 = make_config({**base, "tag": "tf32", "runs_at_once": 1}, "cpu")          # made with --tf32, planned without
     tf32.run_dir().mkdir(parents=True)
     (tf32.run_dir() / "metrics.json").write_text(json.dumps({"config": {**train.asdict(tf32), "tf32": True},
                                                              "wall_s": 30.0, "final_eval_s": 0.0, "device": "cpu"}))
-    assert cli.time_of(dataclasses.replace(tf32, seed=1)) == (pytest.approx(30.0), "measured: seed0, with --tf32 there")
+    assert jobs.time_of(dataclasses.replace(tf32, seed=1)) == (pytest.approx(30.0), "measured: seed0, with --tf32 there")
 
 
 def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_device_now(tmp_path, monkeypatch):
@@ -1307,16 +1307,16 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
                                                             "final_eval_s": 0.0,
                                                             "device": "cpu (2 cores)"}))
     planned = make_config({**base, "seed": 1, "runs_at_once": 2}, "cpu")
-    assert cli.time_of(planned) == (pytest.approx(20.0), "measured: seed0, 4 at once there, 2 here")
-    assert cli.time_of(dataclasses.replace(planned, runs_at_once=4)) == (pytest.approx(40.0), "measured: seed0")
+    assert jobs.time_of(planned) == (pytest.approx(20.0), "measured: seed0, 4 at once there, 2 here")
+    assert jobs.time_of(dataclasses.replace(planned, runs_at_once=4)) == (pytest.approx(40.0), "measured: seed0")
     other = make_config({**base, "seed": 1, "tag": "x", "lr": 3e-4}, "cpu")    # another setup: an estimate
-    assert cli.time_of(other) == (pytest.approx(10.0), "estimate: from rope, 4 at once there, 1 here")
+    assert jobs.time_of(other) == (pytest.approx(10.0), "estimate: from rope, 4 at once there, 1 here")
     legacy = make_config({**base, "tag": "old"}, "cpu")                      # a run from before the record
     saved = {k: v for k, v in train.asdict(legacy).items() if k != "runs_at_once"}
     legacy.run_dir().mkdir(parents=True)
     (legacy.run_dir() / "metrics.json").write_text(json.dumps({"config": saved, "wall_s": 30.0, "final_eval_s": 0.0,
                                                                "device": "cpu"}))
-    assert cli.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (
+    assert jobs.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (
         pytest.approx(30.0), "measured: seed0, sharing not recorded there")
     args = cli.build_parser().parse_args(["--jobs", "5"])
     assert cli.speed(args, "cpu", 9)["runs_at_once"] == 5 and cli.speed(args, "cpu", 3)["runs_at_once"] == 3
@@ -1334,7 +1334,7 @@ def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys
                                  paper={}, scaled="tiny", columns=[("len 2", (2, 2), "exact")], seeds=[0])
     monkeypatch.setitem(experiments.EXPERIMENTS, "tiny", exp)
     planned = {"nope": (1.0, "measured: seed1"), "rope": (None, ""), "alibi": (5.0, "measured: seed1")}
-    monkeypatch.setattr(cli, "time_of", lambda cfg: planned[cfg.method])
+    monkeypatch.setattr(jobs, "time_of", lambda cfg: planned[cfg.method])
     order = []
     real = cli.run
 

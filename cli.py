@@ -217,7 +217,8 @@ def numeric_checks(cfg: TrainConfig):
     """(flag, value, within range, the range in words) for every number a run reads; every float is
     also finite (inf and nan compare false, so each range below excludes them)."""
     m = cfg.model
-    return [("--seeds", cfg.seed, 0 <= cfg.seed < 2 ** 32, "between 0 and 2^32 - 1"), ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
+    return [("--seeds", cfg.seed, 0 <= cfg.seed < 2 ** 32, "between 0 and 2^32 - 1"),
+            ("--steps", cfg.steps, cfg.steps >= 1, ">= 1"),
             ("--batch-size", cfg.batch_size, cfg.batch_size >= 1, ">= 1"),
             ("--lr", cfg.lr, 0 < cfg.lr < math.inf, "> 0 and finite"),
             ("--warmup", cfg.warmup, cfg.warmup >= 0, ">= 0"),
@@ -914,12 +915,14 @@ def some_seeds(exp: experiments.Experiment, name: str, text: str | None) -> expe
     new = [s for s in chosen if s not in exp.seeds]
     say = f"; this table: seeds {', '.join(map(str, own + new))}"
     say += f" ({', '.join(map(str, new))} not the experiment's own: " if new else " ("
-    return dataclasses.replace(exp, seeds=own + new, scaled=f"{exp.scaled}{say}its seeds are {', '.join(map(str, exp.seeds))})")
+    say += f"its seeds are {', '.join(map(str, exp.seeds))})"
+    return dataclasses.replace(exp, seeds=own + new, scaled=exp.scaled + say)
 
 
 def seeds_suffix(text: str | None) -> str:
     """The name a table of --seeds gets beside the experiment's own: "-seeds100-104" (the text as given)."""
-    return "" if text is None else "-seeds" + "".join(c if c.isdigit() or c in "-," else "" for c in text).replace(",", "_")
+    kept = "".join(c if c.isdigit() or c in "-," else "" for c in text or "")
+    return "" if text is None else "-seeds" + kept.replace(",", "_")
 
 
 def some_runs(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:

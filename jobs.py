@@ -80,10 +80,10 @@ class RunStopped(Exception):
 def run_many(cfgs: list[TrainConfig], run, jobs: int = 1, resume: bool | str = False, force: bool = False,
              mps: bool = True) -> list[str]:
     """Train every config with `run` (cli.run: one run with its checks, run(cfg, resume, log, force) -> metrics)
-    in turn, or `jobs` of them at once, each in its own process with its log in <run>/train.log. A run's data and initialisation depend on its config alone, so the results are
-    those of the runs one after the other. A run that fails (a NaN loss, CUDA out of memory, ...)
-    does not stop the others: returns one line per failed run. With several jobs on a GPU they run
-    under CUDA MPS (`mps_daemon`) unless mps is False."""
+    in turn, or `jobs` of them at once, each in its own process with its log in <run>/train.log. A run's data
+    and initialisation depend on its config alone, so the results are those of the runs one after the other.
+    A run that fails (a NaN loss, CUDA out of memory, ...) does not stop the others: returns one line per
+    failed run. With several jobs on a GPU they run under CUDA MPS (`mps_daemon`) unless mps is False."""
     t0, failed = time.time(), []
 
     def failure(folder, e):

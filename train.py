@@ -135,8 +135,6 @@ class NaNLoss(Exception):
     pass
 
 
-
-
 class Step:
     """One optimiser step: forward, loss, backward, gradient clip, AdamW; returns the loss on the device.
 
@@ -386,8 +384,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream_id,
             precision=cfg.precision, stop=flag.get("check")) for key, stream_id, lengths in sets}})
         if METHODS[cfg.method].final_eval:      # the method's own reading (ViPE's fine-tuning) on a copy
-            net, net_opt = copy.deepcopy(model), make_optimizer(model, cfg, device)
-            net_opt.load_state_dict(opt.state_dict())
+            net = copy.deepcopy(model)
+            net_opt = make_optimizer(net, cfg, device)          # the run's moments copied: loading shares tensors
+            net_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             history[-1]["final"] = METHODS[cfg.method].final_eval(method_final(net, net, net_opt, True))[0]
         flag.pop("now")
         log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))

@@ -463,6 +463,15 @@ def test_evaluations_during_training_make_the_papers_reading_on_a_copy(tmp_path)
     assert [(r["exact"], r["token"]) for r in during["eval"]] == [(r["exact"], r["token"]) for r in plain["eval"]]
     assert [(r["exact"], r["token"]) for r in during["history"][-1]["final"]] == \
         [(r["exact"], r["token"]) for r in plain["eval"]]
+    # with the run's own Adam moments (vipe_ft_optim=continued): the copy gets copies of them, fine-tunes with
+    # them, and the run goes on with its own untouched (the same losses and final rows as without evaluations)
+    cont = dict(steps=6, vipe_finetune=2, vipe_ft_optim="continued")
+    plain_c = train.train(protocol_run(tmp_path / "d", **cont), log=lambda *_: None)
+    during_c = train.train(dataclasses.replace(protocol_run(tmp_path / "e", **cont), eval_every=3), log=lambda *_: None)
+    assert during_c["loss"] == plain_c["loss"]
+    assert [(r["exact"], r["token"]) for r in during_c["eval"]] == [(r["exact"], r["token"]) for r in plain_c["eval"]]
+    assert [(r["exact"], r["token"]) for r in during_c["history"][-1]["final"]] == \
+        [(r["exact"], r["token"]) for r in plain_c["eval"]]
     fewer = train.train(dataclasses.replace(cfg, out=str(tmp_path / "c"), n_eval_during=2), log=lambda *_: None)
     assert {r["n"] for h in fewer["history"] for r in h["final"] + h["eval"]} == {2}      # during: n_eval_during
     assert {r["n"] for r in fewer["eval"]} == {8}                                        # the end: n_eval

@@ -68,8 +68,8 @@ def spread(vals) -> str:
 
 def best_checkpoint(m: dict):
     """(step, rows) of the paper's reading with the best exact match at 17-24 over the evaluations during
-    training and the end (the last of equals)."""
-    points = [(h["step"], h["final"]) for h in m.get("history", []) if "final" in h] + [(m["config"]["steps"], m["eval"])]
+    training and the end (the later of equals; at the last step, the run's own rows)."""
+    points = [(m["config"]["steps"], m["eval"])] + [(h["step"], h["final"]) for h in m.get("history", []) if "final" in h]
     return max(points, key=lambda p: (value(p[1], 17, 24), p[0]))
 
 

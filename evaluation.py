@@ -22,6 +22,7 @@ Shapes: B batch, T time, V vocabulary.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import subprocess
@@ -200,10 +201,23 @@ def umask() -> int:
         return mask
 
 
+def palette_png(data: bytes) -> bytes:
+    """A PNG as a 256-colour palette image (a plot has far fewer colours; it looks the same at about a third
+    of the bytes, which keeps the committed figures light); one that is a palette image already, as it is."""
+    from PIL import Image                 # matplotlib's own dependency
+    image = Image.open(io.BytesIO(data))
+    if image.mode == "P":
+        return data
+    out = io.BytesIO()
+    image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(out, format="png", optimize=True)
+    return out.getvalue()
+
+
 def save_atomic(obj, path: Path, **savefig):
     """Write to a temporary file of its own in the target folder, then rename: a crash never leaves half a
     file, and two writers of one path never share a temporary name. Strings as text, dicts to .json as JSON,
-    a figure with fig.savefig(**savefig), the rest with torch.save; mode 0666 less the umask."""
+    a figure with fig.savefig(**savefig) (a .png as a palette image, `palette_png`), the rest with torch.save;
+    mode 0666 less the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")  # one per writer
     try:
@@ -212,6 +226,10 @@ def save_atomic(obj, path: Path, **savefig):
                 f.write(obj.encode())
             elif path.suffix == ".json":
                 f.write(json_text(obj).encode())
+            elif hasattr(obj, "savefig") and path.suffix == ".png":
+                png = io.BytesIO()
+                obj.savefig(png, format="png", **savefig)
+                f.write(palette_png(png.getvalue()))
             elif hasattr(obj, "savefig"):
                 obj.savefig(f, format=path.suffix.lstrip("."), **savefig)
             else:

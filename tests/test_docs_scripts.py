@@ -442,3 +442,30 @@ def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tm
     assert vh.best_checkpoint(m) == (2000, rows(0.5))
     m["history"][1]["final"] = rows(0.25)                  # equal to the end's: the later one
     assert vh.best_checkpoint(m)[0] == 4000
+
+
+def test_compact_results_thins_curves_and_keeps_every_evaluation(tmp_path):
+    """compact_results.thin: 1,000 logged losses become at most 200 points with the last one kept, a spike
+    between two kept points stays in loss_peak, values keep 4 significant digits; the evaluation rows and the
+    evaluations during training are unchanged, and a short curve (a summary's) is left as it is."""
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    import compact_results
+    loss = [[s, 1.0 / s] for s in range(1, 1001)]
+    peak = [list(p) for p in loss]
+    peak[502] = [503, 7.123456]                                   # a jump at a step no thinned loss point has
+    rows = [{"length": 3, "exact": 0.98828125}]
+    m = {"loss": loss, "loss_peak": peak, "logit_max": [[s, [1.23456789, 2.0]] for s in range(0, 1000, 2)],
+         "eval": rows, "history": [{"step": 500, "eval": rows}]}
+    t = compact_results.thin(m)
+    assert len(t["loss"]) <= 201 and t["loss"][-1] == [1000, 0.001] and t["loss"][1][1] == float(f"{1 / 6:.4g}")
+    assert [503, 7.123] in t["loss_peak"] and len(t["loss_peak"]) <= 200
+    assert t["logit_max"][0] == [0, [1.235, 2.0]] and t["curves_thinned"] == {"every": 5, "digits": 4}
+    assert t["eval"] is rows and t["history"] == m["history"]
+    short = {"loss": loss[:50]}
+    assert compact_results.thin(short) is short
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps(m))
+    compact_results.compact(tmp_path)
+    from evaluation import read_stored
+    back = json.loads(read_stored(tmp_path / "run" / "metrics.json"))
+    assert back["eval"] == rows and len(back["loss"]) <= 201

@@ -203,8 +203,11 @@ def umask() -> int:
 
 def palette_png(data: bytes) -> bytes:
     """A PNG as a 256-colour palette image (a plot has far fewer colours; it looks the same at about a third
-    of the bytes, which keeps the committed figures light); one that is a palette image already, as it is."""
+    of the bytes, which keeps the committed figures light); one that is a palette image already, or bytes
+    that are no PNG, as they are."""
     from PIL import Image                 # matplotlib's own dependency
+    if not data.startswith(b"\x89PNG"):
+        return data
     image = Image.open(io.BytesIO(data))
     if image.mode == "P":
         return data

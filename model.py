@@ -318,7 +318,9 @@ class Method:
 class Final:
     """What a method's own evaluation after training (Method.final_eval) may use, built by train.train:
     its options, the lengths, evaluate(lengths, s=1.0) -> rows and finetune(steps, s, fresh, lr) on the
-    trained model; during training (with eval_every) the same on a copy of the model, `during` True."""
+    trained model; fork() -> the same over a copy of the model as it is now (and of its optimiser), to
+    fine-tune another way without touching this one; during training (with eval_every) the same on a
+    copy of the model, `during` True."""
     opts: dict
     train_max: int
     test_lengths: list
@@ -326,6 +328,7 @@ class Final:
     evaluate: Callable
     finetune: Callable
     during: bool = False
+    fork: Callable | None = None
 
 
 def baseline(encoding: str, hooks: type | None = None) -> Method:

@@ -267,6 +267,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     cfg.model.vocab_size, cfg.model.causal = len(task.vocab), task.causal
     ckpt = torch.load(cfg.run_dir() / CKPT, map_location="cpu", weights_only=False) if resume else None
     train_lengths, test_lengths = cfg.train_lengths or task.train_lengths, cfg.test_lengths or task.test_lengths
+    train_max = max(train_lengths)
 
     torch.manual_seed(cfg.seed)
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32   # this run's steps and evaluations (a process may run several)
@@ -303,17 +304,22 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                      "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
                      "losses": pickle.dumps(losses), "logit_max": logit_max, "timed": timing()}, cfg.run_dir() / CKPT)
 
-    train_max = max(train_lengths)
+    def forked(net, net_opt, during=False):   # method_final over a deep copy of the model (eager) and an optimiser
+        net = copy.deepcopy(net)
+        new_opt = make_optimizer(net, cfg, device)                # over the copy, with copies of the Adam moments
+        new_opt.load_state_dict(copy.deepcopy(net_opt.state_dict()))   # (loading a state dict shares its tensors)
+        return method_final(net, net, new_opt, during)
 
     def method_final(net, net_fwd, net_opt, during=False):   # what the method's final_eval works on (model.Final)
         n = (cfg.n_eval_during or cfg.n_eval) if during else cfg.n_eval
-        how = replace(cfg, graphs=False, compile=False) if during else cfg
+        how = cfg if net_fwd is fwd else replace(cfg, graphs=False, compile=False)   # a copy: eager
         return Final(cfg.model.opts, train_max, test_lengths, (lambda *_: None) if during else log, during=during,
                      evaluate=lambda lengths, s=1.0: evaluate(net, task, lengths, n, cfg.seed, device, cfg.task_opts, s,
                                                               precision=cfg.precision, stop=flag.get("check")),
                      finetune=lambda steps, s, fresh=True, lr=None: finetune(net, net_fwd, net_opt, how, task,
                                                                             train_lengths, device, flag, steps, s,
-                                                                            fresh, lr))
+                                                                            fresh, lr),
+                     fork=lambda: forked(net, net_opt, during))
 
     probe = task.sample(16, max(train_lengths), np.random.default_rng([cfg.seed, 3]), **cfg.task_opts)
 
@@ -384,10 +390,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
             model, task, lengths, cfg.n_eval_during or cfg.n_eval, cfg.seed, device, cfg.task_opts, stream=stream_id,
             precision=cfg.precision, stop=flag.get("check")) for key, stream_id, lengths in sets}})
         if METHODS[cfg.method].final_eval:      # the method's own reading (ViPE's fine-tuning) on a copy
-            net = copy.deepcopy(model)
-            net_opt = make_optimizer(net, cfg, device)          # the run's moments copied: loading shares tensors
-            net_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-            history[-1]["final"] = METHODS[cfg.method].final_eval(method_final(net, net, net_opt, True))[0]
+            history[-1]["final"] = METHODS[cfg.method].final_eval(forked(model, opt, True))[0]
         flag.pop("now")
         log("  eval: " + summary_line(history[-1]["eval"], max(train_lengths)))
 
@@ -438,9 +441,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
     flag["now"] = (f"stopped by signal during the final evaluation; the checkpoint at step {step} is intact: "
                    "the same command with --resume evaluates it")
     t_final = time.time()
-    final = method_final(model, fwd, opt)
-    rows, extra = METHODS[cfg.method].final_eval(final) if METHODS[cfg.method].final_eval \
-        else (final.evaluate(test_lengths), {})
+    final, final_eval = method_final(model, fwd, opt), METHODS[cfg.method].final_eval
+    rows, extra = final_eval(final) if final_eval else (final.evaluate(test_lengths), {})
     flag.pop("now", None)                      # evaluated: a signal from here waits, and the run's files get written
     final_s = time.time() - t_final            # the final evaluation's seconds (with ViPE's fine-tuning)
     in_dist = [r["exact"] for r in rows if r["length"] <= train_max and r["variant"] in (None, "ID")]

@@ -42,11 +42,11 @@ Usage:
 Options (cfg.opts, from `--method-opt`): vipe_mode = "both" | "value" (the value code alone, no
 rescaling) | "scale" (the rescaling alone, no value code); vipe_dp = d_p (default 8). The protocol
 (`final_evaluation`): vipe_s, the rule for s at test; vipe_s_fixed, the fixed s (default the paper's
-L_test_max / L_train_max); vipe_finetune, the steps trained with it before the test, with
-vipe_ft_optim (fresh, the default, or continued) at vipe_ft_lr (default the run's final rate) and
-vipe_ramp. Ablations of the paper's forms, each an open question of the paper's text: vipe_code
-(`code_distance`: the paper's linear code, or a bounded one) and vipe_g (the logit factor g(s) = s,
-or a s + b learned per head, its appendix C.3). They run on the PyTorch paths (`vipe_attention`).
+L_test_max / L_train_max), and vipe_s_also, a second one tried on a copy; vipe_finetune, the steps
+trained with it before the test, with vipe_ft_optim (fresh, the default, or continued) at vipe_ft_lr
+(default the run's final rate) and vipe_ramp. Ablations of the paper's forms, each an open question
+of the paper's text: vipe_code (`code_distance`: the paper's linear code, or a bounded one) and vipe_g
+(the logit factor g(s) = s, or a s + b learned per head, its appendix C.3). They run on the PyTorch paths (`vipe_attention`).
 
 Shapes: B batch, H heads, T time, D query/key head dim, Dv value head dim, d_p code width.
 """
@@ -221,7 +221,9 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
     - otherwise the model as trained under the rule ("as trained").
 
     Beside them, under "eval_ablations", every rule on the model as trained (before any fine-tuning),
-    at every length, each named by its s. During training (run.during) the rows alone, on a copy.
+    at every length, each named by its s; with vipe_s_also, the paper's protocol with that s in place of
+    the fixed one, on a copy of the trained model (run.fork), so that two values of s are compared on the
+    same trained weights. During training (run.during) the rows alone, on a copy.
 
     The fine-tuning: `vipe_finetune` steps of the training stream with a fresh AdamW (vipe_ft_optim =
     fresh, the default) at the run's final learning rate (vipe_ft_lr to set another). The paper says
@@ -235,15 +237,20 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
     s_fixed = fixed_s(run.opts, top, test_max)
     rules = {r: (lambda L, r=r: s_fixed if r == "fixed" else compression(r, L, top, test_max)) for r in S_RULES}
     before = {} if run.during else {r: tag(run.evaluate(run.test_lengths, rules[r]), "as trained") for r in S_RULES}
+    also = {}                  # vipe_s_also: the same protocol with another fixed s, on a copy of the trained model
     if rule == "fixed" and steps:
-        rising = run.opts.get("vipe_ramp", False)
-        run.finetune(steps, ramp(s_fixed, steps) if rising else s_fixed,
-                     fresh=run.opts.get("vipe_ft_optim", "fresh") == "fresh", lr=run.opts.get("vipe_ft_lr") or None)
-        run.log(f"  fine-tuned {steps} steps with s = {s_fixed:g}" + (", ramped from 1" if rising else ""))
-        rows = tag(run.evaluate(run.test_lengths, rules[rule]), "fine-tuned")
+        def tuned(net, s: float) -> list[dict]:   # `net` fine-tuned with s, then its rows at s
+            rising, fresh = net.opts.get("vipe_ramp", False), net.opts.get("vipe_ft_optim", "fresh") == "fresh"
+            net.finetune(steps, ramp(s, steps) if rising else s, fresh=fresh, lr=net.opts.get("vipe_ft_lr") or None)
+            net.log(f"  fine-tuned {steps} steps with s = {s:g}" + (", ramped from 1" if rising else ""))
+            return tag(net.evaluate(net.test_lengths, lambda L: s), "fine-tuned")
+        if run.opts.get("vipe_s_also") and not run.during:
+            s_also = float(run.opts["vipe_s_also"])
+            also = {f"s = {s_also:g}, fine-tuned with it (vipe_s_also)": tuned(run.fork(), s_also)}
+        rows = tuned(run, s_fixed)
     else:
         rows = before.get(rule) or tag(run.evaluate(run.test_lengths, rules[rule]), "as trained")
-    ablations = {ablation_label(r): rows_ for r, rows_ in before.items() if rows_ is not rows}
+    ablations = {**{ablation_label(r): rows_ for r, rows_ in before.items() if rows_ is not rows}, **also}
     return rows, ({"eval_ablations": ablations} if ablations else {})
 
 
@@ -321,6 +328,9 @@ VIPE = Method(ViPEAttention, causal_only=True, final_eval=final_evaluation,
                                           "steps with it), per_length (L / L_train_max) or one (default fixed)",
                                      choices=S_RULES),
                        "vipe_s_fixed": Opt(float, "the fixed s (default L_test_max / L_train_max)", 1),
+                       "vipe_s_also": Opt(float, "with vipe_s=fixed and vipe_finetune: a second fixed s, the same "
+                                                 "fine-tuning and test with it on a copy of the trained model, under "
+                                                 "eval_ablations (default none)", 1),
                        "vipe_finetune": Opt(int, "with vipe_s=fixed: steps trained with that s before the "
                                                  "test (default 0)", 0),
                        "vipe_ft_optim": Opt(str, "the fine-tuning's optimiser: fresh (a new AdamW) or continued "

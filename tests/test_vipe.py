@@ -475,3 +475,34 @@ def test_evaluations_during_training_make_the_papers_reading_on_a_copy(tmp_path)
     fewer = train.train(dataclasses.replace(cfg, out=str(tmp_path / "c"), n_eval_during=2), log=lambda *_: None)
     assert {r["n"] for h in fewer["history"] for r in h["final"] + h["eval"]} == {2}      # during: n_eval_during
     assert {r["n"] for r in fewer["eval"]} == {8}                                        # the end: n_eval
+
+
+@pytest.mark.parametrize("optim", ["fresh", "continued"])
+def test_a_second_fixed_s_is_the_same_protocol_on_a_copy_of_the_trained_model(tmp_path, monkeypatch, optim):
+    """vipe_s_also=2: the paper's protocol with s = 2 on a copy of the trained model, under eval_ablations: 3 steps
+    with s = 2 on the copy, then 3 with s = 3 on the run's model. The copy's rows are those of a run with
+    vipe_s_fixed=2 (the same training, the same fine-tuning steps from the same weights and moments), and the run's
+    own reading is that of the run without the option: the copy's fine-tuning leaves the run's model and
+    optimiser untouched."""
+    import train
+    real, tuning = train.Step.__call__, []
+
+    def spy(self, batch):
+        if self.s != 1.0:
+            tuning.append((self.s, id(self.model)))
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", spy)
+    quiet = dict(log=lambda *_: None)
+    base = dict(vipe_finetune=3, vipe_ft_optim=optim)
+    both = train.train(protocol_run(tmp_path / "a", **base, vipe_s_also=2.0), **quiet)
+    assert [s for s, _ in tuning] == [2.0] * 3 + [3.0] * 3 and tuning[0][1] != tuning[-1][1]
+    at3 = train.train(protocol_run(tmp_path / "b", **base), **quiet)
+    at2 = train.train(protocol_run(tmp_path / "c", **base, vipe_s_fixed=2.0), **quiet)
+    also = both["eval_ablations"]["s = 2, fine-tuned with it (vipe_s_also)"]
+    assert [(r["length"], r["s"], r["model"]) for r in also] == [(L, 2.0, "fine-tuned") for L in (8, 16, 48)]
+    assert [(r["exact"], r["token"]) for r in also] == [(r["exact"], r["token"]) for r in at2["eval"]]
+    assert [(r["exact"], r["token"], r["s"]) for r in both["eval"]] == \
+        [(r["exact"], r["token"], r["s"]) for r in at3["eval"]]
+    weights = [torch.load(tmp_path / d / "parity" / "vipe" / "seed0" / "model.pt") for d in "ab"]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+    assert set(both["eval_ablations"]) == set(at3["eval_ablations"]) | {"s = 2, fine-tuned with it (vipe_s_also)"}

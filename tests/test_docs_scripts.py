@@ -435,6 +435,20 @@ def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tm
     assert base.endswith(", 4 |") or base.rsplit(", ", 1)[1].strip(" |") in ("2", "4"), base
     assert any(line.startswith("| vipe-L2-s2 |") for line in text.splitlines())
 
+    # the paper's setup with s = 3 and s = 2 (--full), at the same tiny size: --readings gives each reading's row
+    full = vh.FULL.format(task="parity", seeds="0", jobs=1, out=str(tmp_path / "full")).split()[2:]
+    full = [a.replace("vipe_finetune=200", "vipe_finetune=2") for a in full]
+    drop = {"--preset", "--device", "--steps", "--n-eval", "--train-set", "--workers", "--compile"}
+    full = [a for i, a in enumerate(full) if a not in drop and (i == 0 or full[i - 1] not in drop - {"--compile"})]
+    assert cli.main(full + tiny) == 0
+    capsys.readouterr()
+    text = vh.readings(tmp_path / "full" / "parity").splitlines()
+    m = json.loads((tmp_path / "full" / "parity" / "vipe-L2-full-s2also" / "seed0" / "metrics.json").read_text())
+    also = m["eval_ablations"]["s = 2, fine-tuned with it (vipe_s_also)"]
+    line = next(line for line in text if "s = 2, fine-tuned with it" in line)
+    assert "(s at 17-24: 2) | 1 | " in line and f"| {vh.value(also, 17, 24):.3f} (" in line
+    assert sum("vipe-L2-full-s2also" in line for line in text) == 1 + len(m["eval_ablations"])
+
     def rows(v):
         return [{"length": L, "exact": 1.0 if L <= 16 else v, "token": 1.0, "last": 1.0} for L in (8, 20)]
     m = {"config": {"steps": 4000}, "eval": rows(0.25),

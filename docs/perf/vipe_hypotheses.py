@@ -3,6 +3,8 @@
     python docs/perf/vipe_hypotheses.py --commands            # the train.py command of each variant
     python docs/perf/vipe_hypotheses.py runs/parity            # the tables, from the run folders present
     python docs/perf/vipe_hypotheses.py --rescore docs/results # stored runs by sequence, token and final answer
+    python docs/perf/vipe_hypotheses.py --full --commands      # the paper's setup with s = 3 and s = 2 (below)
+    python docs/perf/vipe_hypotheses.py --readings DIR         # every reading of the runs in DIR/vipe-L*
 
 Each variant is the quick vipe-parity run of ViPE-L2 (`--reproduce vipe-parity --commands`: the gpu preset,
 4k steps x 256, then 200 fine-tuning steps with the fixed s) with the one change its name says; base and cont
@@ -22,6 +24,12 @@ The table, per variant: exact match of the paper's reading (the fine-tuned model
 as trained at s per length and s = 1; and the checkpoint the paper's "best test accuracy" may mean: the
 evaluation during training (or the last) with the best 17-24 of the paper's reading, chosen on the test
 lengths as such a rule does.
+
+The best of these at the paper's own setup (`--full`): ViPE-L2 as `--reproduce vipe-parity --budget full` runs it
+(256k steps, constant rate, the paper's fixed set of 32,768 sequences), seeds 0, 42 and 123, with
+vipe_s_also=2: the paper's fine-tuning and test with s = 3, and with s = 2 on a copy of the same trained model.
+`--readings` tables each reading of such runs: the paper's, the one with the second s, and the three rules on
+the model as trained.
 """
 from __future__ import annotations
 
@@ -54,6 +62,11 @@ def commands(task: str, seeds: str, out: str) -> list[str]:
             + "--method-opt vipe_finetune=200 "
             + "".join(f"--method-opt {o} " for o in opts) + f"--out {out} --device cuda"
             for name, (depths, opts) in VARIANTS.items() for n in depths]
+
+
+FULL = ("python train.py --task {task} --method vipe --preset gpu --seeds {seeds} --jobs {jobs} --steps 256000 "
+        "--weight-decay 0.0 --adam-eps 0.0001 --min-lr-ratio 1.0 --train-set 32768 --n-eval 2048 --tag L2-full-s2also "
+        "--method-opt vipe_finetune=200 --method-opt vipe_s_also=2 --compile --workers 4 --out {out} --device cuda")
 
 
 def value(rows, lo, hi, key="exact"):
@@ -95,6 +108,26 @@ def table(task_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def readings(task_dir: Path) -> str:
+    """Per run folder, each reading of its seeds: the run's own (the paper's protocol) and every eval_ablations
+    entry, exact match at 1-16 / 17-24 / 25-32, and at 17-24 per token and on the final answer."""
+    lines = ["| run | reading | seeds | 1-16 | 17-24 | 25-32 | 17-24 token | 17-24 final answer |",
+             "| --- |" + " --- |" * 7]
+    for folder in sorted(task_dir.glob("vipe-L*")):
+        ms = seed_metrics(folder)
+        names = ["the paper's reading: fine-tuned with the fixed s"] + list(ms[0].get("eval_ablations", {}))
+        for name in names if ms else []:
+            got = [m["eval"] for m in ms] if name == names[0] else [m.get("eval_ablations", {}).get(name) for m in ms]
+            got = [rows for rows in got if rows]
+            s_used = sorted({r["s"] for rows in got for r in rows if 17 <= r["length"] <= 24})
+            at = f"{s_used[0]:g}" + (f"-{s_used[-1]:g}" if len(s_used) > 1 else "")
+            lines.append(f"| {folder.name} | {name} (s at 17-24: {at}) | {len(got)} | "
+                         + " | ".join(spread(value(rows, lo, hi, key) for rows in got) for lo, hi, key in
+                                      ((1, 16, "exact"), (17, 24, "exact"), (25, 32, "exact"), (17, 24, "token"),
+                                       (17, 24, "last"))) + " |")
+    return "\n".join(lines)
+
+
 def rescore(results: Path) -> str:
     """The stored runs of ViPE and NoPE on the three synthetic tasks read three ways at 17-24 and 25-32: exact
     match per sequence, accuracy per token, and the final answer where the run recorded it (its rows' "last")."""
@@ -117,16 +150,20 @@ def main(argv=None) -> int:
     p.add_argument("--commands", action="store_true", help="print the train.py command of each variant")
     p.add_argument("--rescore", action="store_true", help="task_dir is a results folder: read its stored ViPE and "
                    "NoPE runs per sequence, per token and on the final answer")
+    p.add_argument("--readings", action="store_true", help="table every reading of the runs in task_dir")
+    p.add_argument("--full", action="store_true", help="with --commands: the paper's setup, s = 3 and s = 2")
     p.add_argument("--task", default="parity")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs")
     a = p.parse_args(argv)
     if a.commands:
-        print("\n".join(commands(a.task, a.seeds, a.out)))
+        print(FULL.format(task=a.task, seeds=a.seeds, jobs=len(a.seeds.split(",")), out=a.out) if a.full
+              else "\n".join(commands(a.task, a.seeds, a.out)))
         return 0
     if not a.task_dir:
         p.error("give runs/<task> or --commands")
-    print(rescore(Path(a.task_dir)) if a.rescore else table(Path(a.task_dir)))
+    print(rescore(Path(a.task_dir)) if a.rescore else readings(Path(a.task_dir)) if a.readings
+          else table(Path(a.task_dir)))
     return 0
 
 

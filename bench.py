@@ -263,7 +263,7 @@ TRAIN_RUNS = [("flipflop", "rope"), ("flipflop", "path"), ("a5", "path"), ("poly
               ("reverse", "prism")]
 TRAIN_AS = {("reverse", "prism"): "prism-more"}   # trained as this experiment does (PRISM's copy branch)
 TRAIN_MODES = {"data in the loop, eager step": dict(workers=0, graphs=False),   # the loop before workers/graphs
-               "data workers": dict(workers=None, graphs=False),               # None: cli.default_workers(1)
+               "data workers": dict(workers=None, graphs=False),               # None: jobs.default_workers(1)
                "data workers + CUDA graphs": dict(workers=None, graphs=True)}
 
 
@@ -289,6 +289,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
 
     import cli
     import experiments
+    import jobs
     import train
     from tasks import TASKS
 
@@ -301,7 +302,7 @@ def run_train(steps: int, out_dir: Path, runs=TRAIN_RUNS, modes=TRAIN_MODES, dev
                         if k not in ("task", "method", "steps", "n_eval")}
         for mode, how in modes.items():
             with tempfile.TemporaryDirectory() as tmp:
-                how = {**how, "workers": cli.default_workers(1) if how["workers"] is None else how["workers"]}
+                how = {**how, "workers": jobs.default_workers(1) if how["workers"] is None else how["workers"]}
                 cfg = cli.make_config(dict(task=task, method=method, steps=steps, device=device, out=tmp,
                                            n_eval=8, test_lengths=[max(TASKS[task].train_lengths)],
                                            ckpt_every=10 ** 9, log_every=1e9,

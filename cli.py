@@ -36,16 +36,12 @@ import numpy as np
 import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
-from experiments import Experiment, experiment_table, plot_sweep, plot_task, results_table, summarize
-from evaluation import read_stored, save_atomic, stored
+from experiments import Experiment, UsageError, plot_task, results_table, seeds_suffix, write_summaries
+from evaluation import read_stored, stored
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
 from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, train
-from jobs import RunsFailed, check_failures, print_plan, run_many, stop_signals, visible_gpus
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line by the command line, which then exits with status 2."""
+from jobs import RunsFailed, check_failures, print_plan, run_many, speed, stop_signals
 
 
 # =============================================================================================
@@ -459,10 +455,6 @@ def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
 
 
 # =============================================================================================
-# Several runs at once
-# =============================================================================================
-
-# =============================================================================================
 # The command line
 # =============================================================================================
 
@@ -649,28 +641,6 @@ def main(argv=None) -> int:
         return 130
 
 
-def speed(args, device: str, n_runs: int) -> dict:
-    """How runs are executed, never what they compute: sets args.jobs and each run's data workers,
-    CUDA graphs and torch.compile (see --help), and how many runs share a device (the jobs spread over
-    the GPUs; on a CPU, all of them)."""
-    cuda = device.startswith("cuda")
-    gpus = visible_gpus() if cuda else []                        # none with --plan on a machine without one
-    if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
-        memory = torch.cuda.mem_get_info(0)[0] if gpus else 0   # free now: other commands' runs count
-        args.jobs = max(1, min(8 * len(gpus), n_runs, len(gpus) * (memory // 2**33))) if cuda else 1
-    if args.jobs < 1 or (args.workers or 0) < 0:
-        raise UsageError("--jobs must be at least 1 and --workers at least 0")
-    workers = default_workers(args.jobs) if cuda else 0
-    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
-            "compile": bool(args.compile), "tf32": bool(args.tf32),
-            "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
-
-
-def default_workers(jobs: int) -> int:
-    """Data workers per run when `jobs` runs share the machine: the CPU cores per run less one, 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
-
-
 def describe(args) -> str:
     """The text of --help-method / --help-task."""
     if args.help_method:
@@ -691,6 +661,8 @@ def run_cli(args) -> int:
     if args.help_method or args.help_task:
         print(describe(args))
         return 0
+    if (args.jobs is not None and args.jobs < 1) or (args.workers or 0) < 0:
+        raise UsageError("--jobs must be at least 1 and --workers at least 0")
     device = resolve_device(args.device, present=not (args.reproduce and (args.plan or args.commands)))
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
@@ -772,24 +744,6 @@ def check_applies(args, methods: list[str]):
                              f"lengths of {args.task} ({min(lengths)}-{max(lengths)}) leave nothing to grow")
 
 
-def write_summary(method_dir: Path, only: list[int] | None = None):
-    """<method>/metrics.json: the summary over the seeds in method_dir, or over those in `only`
-    (experiments.summarize)."""
-    summary = summarize(method_dir, only)
-    if summary:
-        save_atomic(summary, method_dir / "metrics.json")
-
-
-def write_summaries(cfgs, own_seeds: bool = False):
-    """Each method folder of cfgs once, in order: over every seed present, or (own_seeds, as --reproduce
-    does) over the seeds of cfgs alone, so that an experiment's table stands on its seeds or those of --seeds."""
-    folders = {}
-    for cfg in cfgs:
-        folders.setdefault(cfg.run_dir().parent, []).append(cfg.seed)
-    for method_dir, seeds in folders.items():
-        write_summary(method_dir, seeds if own_seeds else None)
-
-
 def reproduce(args, device: str, preset_name: str) -> int:
     """--reproduce NAME | all: train the runs not present yet, then the tables and figures of each experiment."""
     budget = args.budget or "quick"
@@ -798,16 +752,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
         raise UsageError(f"{setup[0]} is part of a run's setup, and --reproduce trains each run as its experiment "
                          "sets it: drop it (to train one of its runs with another value: --commands prints each "
                          "run's train.py command, to change and run with a --tag of its own)")
-    if args.reproduce != "all" and args.reproduce not in experiments.EXPERIMENTS:
-        raise UsageError(f"unknown experiment {args.reproduce!r}; available: {', '.join(experiments.EXPERIMENTS)}, all")
-    defined = [name for name, exp in experiments.EXPERIMENTS.items() if budget == "quick" or exp.full]
-    names = defined if args.reproduce == "all" else [args.reproduce]
-    if args.reproduce not in defined + ["all"]:
-        raise UsageError(f"experiment {args.reproduce} has no {budget} setup yet; --budget {budget} is defined for: "
-                         f"{', '.join(defined) or 'none'}")
-    EXPERIMENTS = {name: some_runs(some_seeds(experiments.at_budget(experiments.EXPERIMENTS[name], budget), name,
-                                              args.seeds), name, args.labels)
-                   for name in names}
+    EXPERIMENTS = experiments.chosen(args.reproduce, budget, parse_list(args.seeds, int, "--seeds"),
+                                     parse_list(args.labels, str, "--labels"))
+    names = list(EXPERIMENTS)
     suffix = ("" if budget == "quick" else f"-{budget}") + seeds_suffix(args.seeds)
     if args.partial and (args.shard or args.runs or args.force or args.plan or args.commands):
         raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force, "
@@ -869,84 +816,10 @@ def reproduce(args, device: str, preset_name: str) -> int:
     queue = sorted((cfg for cfg in everything if id(cfg) in todo),
                    key=lambda cfg: -math.inf if times[id(cfg)] is None else -times[id(cfg)])
     failed = run_many(queue, run, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
-    tables = []
-    for name, cfgs in plans.items():
-        print(f"== {name}: {len(cfgs)} runs")
-        waiting = [cfg for cfg in cfgs if id(cfg) not in mine and not stored(cfg.run_dir() / "metrics.json")]
-        exp = EXPERIMENTS[name]
-        if waiting and args.partial:
-            exp = dataclasses.replace(exp, scaled=f"{exp.scaled}; this table: the {len(cfgs) - len(waiting)} runs "
-                                      f"present of its {len(cfgs)}, each over its seeds present (--partial)")
-        elif waiting:                        # a failed run of this shard reads "not run"; others' runs are waited for
-            print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "
-                  "its table waits for them (run --reproduce again, without --shard or --runs, once they are; "
-                  "--partial builds it from those present)")
-            continue
-        write_summaries(cfgs, own_seeds=True)
-        for task in sorted({c.task for c in cfgs}):      # the task's every run, then this experiment's alone
-            plot_task(out / task)
-            folders = {c.run_dir().parent.name for c in cfgs if c.task == task}
-            print(f"wrote {plot_task(out / task, folders, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
-        table = experiment_table(name, exp, out)
-        save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
-        if exp.sweep:
-            print(f"wrote {plot_sweep(name + suffix, exp, out)}")
-        print(table)
-        tables.append(table)
-    if args.reproduce == "all" and len(tables) == len(names):   # one file, paper vs this repo for every experiment
-        save_atomic(f"# Paper vs this repo ({budget} budget)\n\n" + "\n\n".join(tables) + "\n",
-                    out / "reproduce" / f"all{suffix}.md")
-        print(f"wrote {out / 'reproduce' / f'all{suffix}.md'}")
+    experiments.write_tables(EXPERIMENTS, plans, out, mine, args.partial, suffix,
+                             budget if args.reproduce == "all" else None)
     check_failures(failed, len(todo))
     return 0
-
-
-def some_seeds(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:
-    """The experiment on the seeds of --seeds (all of its own if None): its own in its order, or any others
-    (to check a verdict on seeds it did not choose), the table then saying which are not its own."""
-    if text is None:
-        return exp
-    chosen = parse_list(text, int, "--seeds")
-    if len(set(chosen)) < len(chosen):
-        raise UsageError(f"--seeds with --reproduce takes distinct seeds, got {text!r}")
-    if set(chosen) == set(exp.seeds):
-        return exp
-    own = [s for s in exp.seeds if s in chosen]
-    new = [s for s in chosen if s not in exp.seeds]
-    say = f"; this table: seeds {', '.join(map(str, own + new))}"
-    say += f" ({', '.join(map(str, new))} not the experiment's own: " if new else " ("
-    say += f"its seeds are {', '.join(map(str, exp.seeds))})"
-    return dataclasses.replace(exp, seeds=own + new, scaled=exp.scaled + say)
-
-
-def seeds_suffix(text: str | None) -> str:
-    """The name a table of --seeds gets beside the experiment's own: "-seeds100-104" (the text as given)."""
-    kept = "".join(c if c.isdigit() or c in "-," else "" for c in text or "")
-    return "" if text is None else "-seeds" + kept.replace(",", "_")
-
-
-def some_runs(exp: experiments.Experiment, name: str, text: str | None) -> experiments.Experiment:
-    """The experiment on the runs of --labels only (all of them if None): each item a run's folder name
-    ("vipe-L3"; the budget's "-full" may be left out) or task/folder for one task's. Its checks keep the
-    comparisons between chosen runs alone, so that its verdict stands on them."""
-    if text is None:
-        return exp
-    keys = [(run["task"], experiments.run_label(run)) for run in exp.runs]
-    def picks(item, key):
-        task, _, label = item.rpartition("/")
-        return task in ("", key[0]) and label in (key[1], key[1].removesuffix("-full"))
-    items = parse_list(text, str, "--labels")
-    unknown = [item for item in items if not any(picks(item, key) for key in keys)]
-    if unknown or len(set(items)) < len(items):
-        known = ", ".join(dict.fromkeys(f"{t}/{label}" for t, label in keys))
-        raise UsageError(f"--labels takes distinct runs of the experiment's own ({name}: {known}), got {text!r}")
-    chosen = [k for k, key in enumerate(keys) if any(picks(item, key) for item in items)]
-    if len(chosen) == len(keys):
-        return exp
-    runs = {"/".join(keys[k]) for k in chosen}
-    checks = [c for c in exp.checks if all(x in runs for x in c[:2] if isinstance(x, str))]
-    return dataclasses.replace(exp, runs=[exp.runs[k] for k in chosen], checks=checks,
-                               scaled=f"{exp.scaled}; this table: the runs {', '.join(sorted(runs))} alone")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:

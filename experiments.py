@@ -921,3 +921,123 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
     save_atomic(fig, path, dpi=100)
     plt.close(fig)
     return path
+
+
+# =============================================================================================
+# --reproduce (cli.reproduce): the experiments and runs a command names, and their tables once run
+# =============================================================================================
+
+class UsageError(Exception):
+    """Bad input: printed as one line by the command line (cli.main), which then exits with status 2."""
+
+
+def chosen(name: str, budget: str, seeds: list[int] | None, labels: list[str] | None) -> dict[str, Experiment]:
+    """--reproduce NAME (or all) at --budget: {name: the experiment on the seeds of --seeds and the runs of
+    --labels (all of its own where not given)}."""
+    if name != "all" and name not in EXPERIMENTS:
+        raise UsageError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
+    defined = [n for n, exp in EXPERIMENTS.items() if budget == "quick" or exp.full]
+    if name not in defined + ["all"]:
+        raise UsageError(f"experiment {name} has no {budget} setup yet; --budget {budget} is defined for: "
+                         f"{', '.join(defined) or 'none'}")
+    return {n: on_labels(on_seeds(at_budget(EXPERIMENTS[n], budget), seeds), n, labels)
+            for n in (defined if name == "all" else [name])}
+
+
+def on_seeds(exp: Experiment, chosen: list[int] | None) -> Experiment:
+    """The experiment on the seeds of --seeds (all of its own if None): its own in its order, or any others
+    (to check a verdict on seeds it did not choose), the table then saying which are not its own."""
+    if chosen is not None and len(set(chosen)) < len(chosen):
+        raise UsageError(f"--seeds with --reproduce takes distinct seeds, got {', '.join(map(str, chosen))}")
+    if chosen is None or set(chosen) == set(exp.seeds):
+        return exp
+    own = [s for s in exp.seeds if s in chosen]
+    new = [s for s in chosen if s not in exp.seeds]
+    say = f"; this table: seeds {', '.join(map(str, own + new))}"
+    say += f" ({', '.join(map(str, new))} not the experiment's own: " if new else " ("
+    say += f"its seeds are {', '.join(map(str, exp.seeds))})"
+    return replace(exp, seeds=own + new, scaled=exp.scaled + say)
+
+
+def seeds_suffix(text: str | None) -> str:
+    """The name a table of --seeds gets beside the experiment's own: "-seeds100-104" (the text as given)."""
+    kept = "".join(c if c.isdigit() or c in "-," else "" for c in text or "")
+    return "" if text is None else "-seeds" + kept.replace(",", "_")
+
+
+def on_labels(exp: Experiment, name: str, items: list[str] | None) -> Experiment:
+    """The experiment on the runs of --labels only (all of them if None): each item a run's folder name
+    ("vipe-L3"; the budget's "-full" may be left out) or task/folder for one task's. Its checks keep the
+    comparisons between chosen runs alone, so that its verdict stands on them."""
+    if items is None:
+        return exp
+    keys = [(run["task"], run_label(run)) for run in exp.runs]
+
+    def picks(item, key):
+        task, _, label = item.rpartition("/")
+        return task in ("", key[0]) and label in (key[1], key[1].removesuffix("-full"))
+    unknown = [item for item in items if not any(picks(item, key) for key in keys)]
+    if unknown or len(set(items)) < len(items):
+        known = ", ".join(dict.fromkeys(f"{t}/{label}" for t, label in keys))
+        raise UsageError(f"--labels takes distinct runs of the experiment's own ({name}: {known}), "
+                         f"got {','.join(items)!r}")
+    picked = [k for k, key in enumerate(keys) if any(picks(item, key) for item in items)]
+    if len(picked) == len(keys):
+        return exp
+    runs = {"/".join(keys[k]) for k in picked}
+    checks = [c for c in exp.checks if all(x in runs for x in c[:2] if isinstance(x, str))]
+    return replace(exp, runs=[exp.runs[k] for k in picked], checks=checks,
+                   scaled=f"{exp.scaled}; this table: the runs {', '.join(sorted(runs))} alone")
+
+
+def write_summary(method_dir: Path, only: list[int] | None = None):
+    """<method>/metrics.json: the summary over the seeds in method_dir, or over those in `only` (summarize)."""
+    summary = summarize(method_dir, only)
+    if summary:
+        save_atomic(summary, method_dir / "metrics.json")
+
+
+def write_summaries(cfgs, own_seeds: bool = False):
+    """Each method folder of the configs `cfgs` once, in order: over every seed present, or (own_seeds, as
+    --reproduce does) over the seeds of cfgs alone, so that a table stands on its seeds or those of --seeds."""
+    folders = {}
+    for cfg in cfgs:
+        folders.setdefault(cfg.run_dir().parent, []).append(cfg.seed)
+    for method_dir, seeds in folders.items():
+        write_summary(method_dir, seeds if own_seeds else None)
+
+
+def write_tables(exps: dict[str, Experiment], plans: dict, out: Path, ran: set, partial: bool, suffix: str,
+                 every: str | None = None) -> None:
+    """After the runs of --reproduce: per experiment, its summaries, figures and table (reproduce/NAME<suffix>.md),
+    once all its runs are present (`plans`: name -> its configs; `ran`: ids of the configs this command
+    trained; with `partial`, from the runs present); with `every` (the budget of --reproduce all), all of them
+    in reproduce/all<suffix>.md."""
+    tables = []
+    for name, cfgs in plans.items():
+        print(f"== {name}: {len(cfgs)} runs")
+        waiting = [cfg for cfg in cfgs if id(cfg) not in ran and not stored(cfg.run_dir() / "metrics.json")]
+        exp = exps[name]
+        if waiting and partial:
+            exp = replace(exp, scaled=f"{exp.scaled}; this table: the {len(cfgs) - len(waiting)} runs present of "
+                                      f"its {len(cfgs)}, each over its seeds present (--partial)")
+        elif waiting:                        # a failed run of this shard reads "not run"; others' runs are waited for
+            print(f"{name}: {len(waiting)} of its {len(cfgs)} runs are not in this command and not present yet: "
+                  "its table waits for them (run --reproduce again, without --shard or --runs, once they are; "
+                  "--partial builds it from those present)")
+            continue
+        write_summaries(cfgs, own_seeds=True)
+        for task in sorted({c.task for c in cfgs}):      # the task's every run, then this experiment's alone
+            plot_task(out / task)
+            folders = {c.run_dir().parent.name for c in cfgs if c.task == task}
+            print(f"wrote {plot_task(out / task, folders, out / 'reproduce' / f'{name}{suffix}-{task}.png')}")
+        table = experiment_table(name, exp, out)
+        save_atomic(table + "\n", out / "reproduce" / f"{name}{suffix}.md")
+        if exp.sweep:
+            print(f"wrote {plot_sweep(name + suffix, exp, out)}")
+        print(table)
+        tables.append(table)
+    if every and len(tables) == len(plans):   # one file, paper vs this repo for every experiment
+        save_atomic(f"# Paper vs this repo ({every} budget)\n\n" + "\n\n".join(tables) + "\n",
+                    out / "reproduce" / f"all{suffix}.md")
+        print(f"wrote {out / 'reproduce' / f'all{suffix}.md'}")

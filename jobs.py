@@ -315,6 +315,26 @@ def visible_gpus() -> list[str]:
     return [g.strip() for g in named.split(",")][:count] if named else [str(i) for i in range(count)]
 
 
+def speed(args, device: str, n_runs: int) -> dict:
+    """How runs are executed, never what they compute: sets args.jobs (given: at least 1) and returns each run's
+    data workers, CUDA graphs and torch.compile (see --help), and how many runs share a device (the jobs spread
+    over the GPUs; on a CPU, all of them)."""
+    cuda = device.startswith("cuda")
+    gpus = visible_gpus() if cuda else []                        # none with --plan on a machine without one
+    if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8
+        memory = torch.cuda.mem_get_info(0)[0] if gpus else 0   # free now: other commands' runs count
+        args.jobs = max(1, min(8 * len(gpus), n_runs, len(gpus) * (memory // 2**33))) if cuda else 1
+    workers = default_workers(args.jobs) if cuda else 0
+    return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
+            "compile": bool(args.compile), "tf32": bool(args.tf32),
+            "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
+
+
+def default_workers(jobs: int) -> int:
+    """Data workers per run when `jobs` runs share the machine: the CPU cores per run less one, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // jobs - 1))
+
+
 STOP = None                 # in a --jobs process: the command's stop event (start_job)
 NOT_STARTED = "not started"
 

@@ -164,7 +164,7 @@ def write_seeds(out, seeds):
         path = out / "copy" / "rope" / f"seed{m['seed']}" / "metrics.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(m))
-    cli.write_summary(out / "copy" / "rope")
+    experiments.write_summary(out / "copy" / "rope")
     return out
 
 
@@ -739,8 +739,7 @@ def test_jobs_spread_evenly_over_every_visible_gpu(capsys, tmp_path, monkeypatch
     """With two GPUs visible, --jobs 4 starts four processes, two on each GPU (CUDA_VISIBLE_DEVICES
     set in each before CUDA starts there); every run's log says which process and GPU ran it."""
     import re
-    for module in (cli, jobs):
-        monkeypatch.setattr(module, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(jobs, "visible_gpus", lambda: ["0", "1"])
     tiny = ["--task", "copy", "--methods", "nope,rope", "--seeds", "0,1", "--d-model", "16", "--n-layers", "1",
             "--n-heads", "2", "--steps", "3", "--batch-size", "4", "--n-eval", "4", "--train-lengths", "1-3",
             "--test-lengths", "2", "--device", "cpu", "--out", str(tmp_path)]
@@ -798,8 +797,7 @@ def test_jobs_sharing_a_gpu_run_under_an_mps_daemon_that_ends_with_the_command(c
     """Two jobs on one (faked) GPU: the command starts the daemon with its folders under the output,
     both runs see it, and it has quit when the command returns."""
     fake_mps(tmp_path, monkeypatch)
-    for module in (cli, jobs):
-        monkeypatch.setattr(module, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(jobs, "visible_gpus", lambda: ["0"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     code, stdout, _ = run_cli(capsys, *TINY_JOBS, "--out", str(tmp_path / "runs"))
     assert code == 0 and "MPS: daemon started" in stdout, stdout
@@ -818,8 +816,7 @@ def test_jobs_under_mps_name_the_gpus_as_the_daemon_numbers_them(capsys, tmp_pat
     import re
     fake_mps(tmp_path, monkeypatch)
     gpus = visible.split(",")
-    for module in (cli, jobs):
-        monkeypatch.setattr(module, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(jobs, "visible_gpus", lambda: gpus)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, *TINY_JOBS[:-1], str(2 * len(gpus) + 1), "--seeds", "0,1", "--out", str(out))
@@ -850,8 +847,7 @@ def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkey
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
 def test_without_mps_the_jobs_run_and_one_line_says_what_it_costs(capsys, tmp_path, monkeypatch):
     """No daemon program, or one that fails to start: one line each, and the runs still finish."""
-    for module in (cli, jobs):
-        monkeypatch.setattr(module, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(jobs, "visible_gpus", lambda: ["0"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(jobs, "MPS_CONTROL", "no-such-mps-control-program")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
@@ -1195,7 +1191,7 @@ def test_readme_verdicts_are_those_of_the_committed_metrics():
             full_exp = experiments.at_budget(exp, "full")
             labels = re.search(r" checks of ([^;)]+)", full)
             if labels:
-                full_exp = cli.some_runs(full_exp, name, labels.group(1).replace(" ", ""))
+                full_exp = experiments.on_labels(full_exp, name, labels.group(1).replace(" ", "").split(","))
             assert full == cell(full_exp, labels and labels.group(1)), (name, full)
 
 
@@ -1319,10 +1315,9 @@ def test_a_time_measured_beside_other_runs_is_scaled_to_the_runs_sharing_the_dev
     assert jobs.time_of(dataclasses.replace(legacy, seed=1, runs_at_once=3)) == (
         pytest.approx(30.0), "measured: seed0, sharing not recorded there")
     args = cli.build_parser().parse_args(["--jobs", "5"])
-    assert cli.speed(args, "cpu", 9)["runs_at_once"] == 5 and cli.speed(args, "cpu", 3)["runs_at_once"] == 3
-    for module in (cli, jobs):
-        monkeypatch.setattr(module, "visible_gpus", lambda: ["0", "1"])
-    assert cli.speed(args, "cuda", 9)["runs_at_once"] == 3 and cli.speed(args, "cuda", 2)["runs_at_once"] == 1
+    assert jobs.speed(args, "cpu", 9)["runs_at_once"] == 5 and jobs.speed(args, "cpu", 3)["runs_at_once"] == 3
+    monkeypatch.setattr(jobs, "visible_gpus", lambda: ["0", "1"])
+    assert jobs.speed(args, "cuda", 9)["runs_at_once"] == 3 and jobs.speed(args, "cuda", 2)["runs_at_once"] == 1
 
 
 def test_the_queue_starts_with_the_longest_runs_and_those_of_unknown_time(capsys, tmp_path, monkeypatch):

@@ -1,20 +1,15 @@
-"""The command line and everything that keeps a run safe: presets and flags -> configs, input
-checks before anything is written, run folders (locks, options that must agree), and the --reproduce
-front (which runs, which are present, the tables). `python train.py ...` is this module's `main`.
+"""The command line: presets and flags -> configs, the checks of a config before anything is written,
+and the --reproduce front (which runs, which are present, their commands). `python train.py ...` is
+this module's `main`.
 
     python train.py --method rope --task flipflop          # one model, table + plot in runs/
     python train.py --methods nope,rope,alibi --task polynomial --seeds 0,1,2 --jobs 3
     python train.py --reproduce vipe-poly                  # a paper's headline experiment
     python train.py --help-method upe                      # a method's --method-opt options
 
-`run(cfg)` is one run with every check: validate the config, refuse a folder in use or holding other
-options, train (train.py) with SIGINT/SIGTERM turned into a checkpoint, print the table. jobs.py runs
-many of them (`jobs.run_many`: one after another, or `--jobs` at once in their own processes, under
-CUDA MPS on a GPU) and times them beforehand (`jobs.print_plan`); `reproduce` runs the headline
-experiments of experiments.py and writes their tables and figures.
-
-(A file of its own so that train.py keeps the loop, checkpoints and the
-method registry, and stays short enough to read in one sitting.)
+`run(cfg)` is one run with every check: `validate`, then jobs.run_in_folder (a folder in use or holding
+other options refused, SIGINT/SIGTERM turned into a checkpoint), then the table. jobs.py also runs many
+(`run_many`) and times them (`print_plan`); experiments.py picks an experiment's runs and writes its tables.
 """
 from __future__ import annotations
 
@@ -29,19 +24,19 @@ import shlex
 import sys
 import tempfile
 import textwrap
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import experiments   # experiments.EXPERIMENTS read at call time (tests replace it)
-from experiments import Experiment, UsageError, plot_task, results_table, seeds_suffix, write_summaries
-from evaluation import read_stored, stored
+from experiments import Experiment, plot_task, results_table, seeds_suffix, write_summaries
+from evaluation import stored
 from tasks import TASKS, Task, curriculum_lengths
 from model import ModelConfig, batch_context
-from train import CKPT, METHODS, Interrupted, NaNLoss, TrainConfig, train
-from jobs import RunsFailed, check_failures, print_plan, run_many, speed, stop_signals
+from train import METHODS, Interrupted, NaNLoss, TrainConfig
+from jobs import (RUN_KEYS, RunsFailed, UsageError, check_failures, check_resume, check_run_folder, other_setup,
+                  print_plan, run_in_folder, run_many, speed)
 
 
 # =============================================================================================
@@ -98,7 +93,7 @@ def experiment_configs(exp: Experiment, device: str, out: str, preset_name: str,
 
 
 # =============================================================================================
-# Checks before a run
+# Checks before a run, and one run checked
 # =============================================================================================
 
 def validate(cfg: TrainConfig, planning: bool = False) -> Task:
@@ -182,7 +177,6 @@ def resolve_device(name: str, present: bool = True) -> str:
     return name
 
 
-
 def check_writable(out: Path):
     """The output folder, or its nearest existing parent, takes a file (tried with a temporary one),
     so that a run never trains to lose its results."""
@@ -232,7 +226,8 @@ def numeric_checks(cfg: TrainConfig):
             ("--curriculum-steps", cfg.curriculum_steps, cfg.curriculum_steps >= 0, ">= 0"),
             ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
              "0 or at least the batch size"),
-            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"),
+            ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
 
@@ -242,110 +237,14 @@ def check_method(method: str):
         raise UsageError(f"unknown method {method!r}; available methods: {', '.join(METHODS)}")
 
 
-# Fields that must agree between a checkpoint and the run resuming it.
-RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "curriculum_steps",
-               "train_set", "model"]
-
-
-def check_resume(cfg: TrainConfig):
-    """--resume: the run's checkpoint exists, reads, belongs to this config and is not past its end."""
-    path = cfg.run_dir() / CKPT
-    if not path.exists():
-        raise UsageError(f"--resume: no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        saved = ckpt["config"]
-        assert isinstance(saved, dict) and "model" in ckpt
-    except Exception as e:  # any unreadable file is reported the same way
-        raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
-    diff = saved_diff(saved, cfg, RESUME_KEYS)
-    if diff:
-        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
-    if ckpt["step"] > cfg.steps:
-        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
-
-
-def saved_diff(saved: dict, cfg: TrainConfig, keys) -> str:
-    """config_diff between a run's saved config and cfg, as train() completes cfg (the task's
-    vocabulary and causality), with defaults for fields newer than the saved run."""
-    task = TASKS[cfg.task]
-    new = asdict(cfg)
-    new["model"].update(vocab_size=len(task.vocab), causal=task.causal)
-    saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
-    if saved["method"] == "vipe":              # runs from when ViPE's two options were fields of the run
-        old = {"vipe_finetune": saved.get("finetune_steps", 0), "vipe_s": saved.get("s_rule", "fixed")}
-        saved["model"]["opts"] = {**{k: v for k, v in old.items() if v not in (0, "fixed")}, **saved["model"]["opts"]}
-    return config_diff(saved, new, keys)
-
-
-def config_diff(old: dict, new: dict, keys) -> str:
-    """'model.d_model: 32 -> 64; seed: 0 -> 1' for the fields (and model sub-fields) that differ."""
-    out = []
-    for k in keys:
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{k}.{s}: {a.get(s)} -> {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
-        elif a != b:
-            out.append(f"{k}: {a} -> {b}")
-    return "; ".join(out)
-
-
-# =============================================================================================
-# One run, guarded
-# =============================================================================================
-
 def run(cfg: TrainConfig, resume: bool | str = False, log=print, force: bool = False) -> dict:
-    """Check the config, take the run's folder (run.lock) and train; SIGINT or SIGTERM stops the run
-    at the next step with a checkpoint. Logs the table of results and returns the metrics.
-    resume: True, False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
+    """Check the config (validate) and train it in its folder (jobs.run_in_folder: the folder's options and
+    lock, SIGINT or SIGTERM -> a checkpoint); log the table of results and return the metrics. resume: True,
+    False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
     validate(cfg)
-    check_run_folder(cfg, resume is True, force)   # "auto": a checkpoint with other options is refused too
-    if resume == "auto":
-        resume = not force and (cfg.run_dir() / CKPT).exists()
-        if resume:
-            log(f"continuing {cfg.run_dir()} from its checkpoint")
-    if resume:
-        check_resume(cfg)
-    lock = lock_run(cfg.run_dir())
-    try:
-        with stop_signals() as flag:
-            metrics = train(cfg, resume, log, flag)
-    finally:
-        lock.unlink(missing_ok=True)
+    metrics = run_in_folder(cfg, resume, log, force)
     log(results_table(metrics["eval"], metrics["train_max_length"]))
     return metrics
-
-
-def lock_run(run_dir: Path) -> Path:
-    """Take <run>/run.lock (holding this process's pid) or refuse: another live process trains this
-    run. A lock left by a process that is gone is taken over."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / "run.lock"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text() or 0)
-                if pid <= 0:
-                    raise ValueError("no pid")
-                os.kill(pid, 0)                       # raises if no such process
-            except (ValueError, ProcessLookupError, FileNotFoundError):
-                lock.unlink(missing_ok=True)          # stale
-                continue
-            except PermissionError:                   # alive, owned by another user
-                pass
-            raise UsageError(f"{run_dir} is in use by process {pid} (remove {lock} if that is wrong)") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return lock
-    raise UsageError(f"cannot take {lock}")
-
-
-# Settings of how a run executes, not of what it computes: a rerun may change them freely.
-EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
-             "out"}
-RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
 # A run's setup on the command line: each field's flag is its name with dashes, apart from these three.
@@ -410,48 +309,6 @@ def ranges(values: list[int]) -> str:
         parts.append(f"{values[i]}-{values[j]}" if j > i else str(values[i]))
         i = j + 1
     return ",".join(parts)
-
-
-def other_setup(cfgs: list[TrainConfig], like, present: set) -> dict:
-    """{id of a config: the options that differ} for each run present (`present`: ids of the configs
-    with a metrics.json) that was made with other options than its experiment's setup: a setup changed
-    since, whose old results a table must not take for the new. Each run is judged against the setup
-    under the preset it was made with, `like(k, preset)`: run k's config under that preset (so a CPU
-    builds the tables of GPU runs). Runs whose metrics hold no readable config are not judged."""
-    found = {}
-    for k, cfg in enumerate(cfgs):
-        if id(cfg) not in present:
-            continue
-        try:
-            saved = json.loads(read_stored(cfg.run_dir() / "metrics.json"))["config"]
-            diff = saved_diff(saved, like(k, saved["preset"]), RUN_KEYS)
-        except Exception:
-            continue
-        if diff:
-            found[id(cfg)] = diff
-    return found
-
-
-def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
-    """A run folder that holds a run (finished, or its checkpoint) with other options is refused
-    unless --force, naming the options that differ: a rerun must not replace results silently."""
-    if resume or force:
-        return
-    for name in ("metrics.json", CKPT):
-        path = cfg.run_dir() / name
-        if not stored(path):
-            continue
-        try:
-            saved = json.loads(read_stored(path))["config"] if name.endswith(".json") else \
-                torch.load(path, map_location="cpu", weights_only=False)["config"]
-            diff = saved_diff(saved, cfg, RUN_KEYS)
-        except Exception:   # an unreadable file holds no result to keep: it is overwritten
-            continue
-        if diff:
-            what = "a finished run" if name.endswith(".json") else "a started run (its checkpoint)"
-            raise UsageError(f"{cfg.run_dir()} holds {what} with other options ({diff}); give --tag NAME to "
-                             f"keep both, or --force to replace it")
-        return
 
 
 # =============================================================================================
@@ -627,11 +484,8 @@ def main(argv=None) -> int:
     except OSError as e:   # a folder that cannot be written, a full disk: save_atomic left no half file
         print(f"error: cannot write the results: {e}", file=sys.stderr)
         return 2
-    except NaNLoss as e:
-        print(f"error: training stopped: {e}", file=sys.stderr)
-        return 1
-    except RunsFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (NaNLoss, RunsFailed) as e:
+        print(f"error: {'training stopped: ' if isinstance(e, NaNLoss) else ''}{e}", file=sys.stderr)
         return 1
     except Interrupted as e:
         print(f"\n{e}", file=sys.stderr)
@@ -667,9 +521,7 @@ def run_cli(args) -> int:
     preset_name = args.preset or ("gpu" if device.startswith("cuda") else "cpu")
     if args.reproduce:
         return reproduce(args, device, preset_name)
-    given = [flag for flag, value in (("--shard", args.shard), ("--runs", args.runs), ("--budget", args.budget),
-                                      ("--plan", args.plan), ("--labels", args.labels),
-                                      ("--partial", args.partial), ("--commands", args.commands)) if value]
+    given = [f"--{k}" for k in ("shard", "runs", "budget", "plan", "labels", "partial", "commands") if vars(args)[k]]
     if given:
         raise UsageError(f"{given[0]} applies with --reproduce NAME only")
     return run_commandline_runs(args, configs_of(args, device, preset_name), preset_name)
@@ -693,8 +545,7 @@ def configs_of(args, device: str, preset_name: str) -> list[TrainConfig]:
                   n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
-                  beta2=args.beta2, dropout=args.dropout,
-                  adam_eps=args.adam_eps, precision=args.precision,
+                  beta2=args.beta2, dropout=args.dropout, adam_eps=args.adam_eps, precision=args.precision,
                   curriculum=args.curriculum, curriculum_steps=args.curriculum_steps, train_set=args.train_set,
                   train_lengths=parse_list(args.train_lengths, int, "--train-lengths"),
                   test_lengths=parse_list(args.test_lengths, int, "--test-lengths"),
@@ -754,7 +605,6 @@ def reproduce(args, device: str, preset_name: str) -> int:
                          "run's train.py command, to change and run with a --tag of its own)")
     EXPERIMENTS = experiments.chosen(args.reproduce, budget, parse_list(args.seeds, int, "--seeds"),
                                      parse_list(args.labels, str, "--labels"))
-    names = list(EXPERIMENTS)
     suffix = ("" if budget == "quick" else f"-{budget}") + seeds_suffix(args.seeds)
     if args.partial and (args.shard or args.runs or args.force or args.plan or args.commands):
         raise UsageError("--partial trains nothing and builds the tables: give it without --shard, --runs, --force, "
@@ -765,13 +615,13 @@ def reproduce(args, device: str, preset_name: str) -> int:
     n_runs = sum(len(e.runs) * len(e.seeds) for e in EXPERIMENTS.values())
     picked = parse_runs(args.runs, n_runs, args.shard)
     how = speed(args, device, len(picked) if picked else -(-n_runs // n_shards))
-    plans = {name: experiment_configs(EXPERIMENTS[name], args.device, args.out, preset_name, how) for name in names}
+    plans = {name: experiment_configs(exp, args.device, args.out, preset_name, how)
+             for name, exp in EXPERIMENTS.items()}
     for cfgs in plans.values():
         for cfg in cfgs:
             validate(cfg, planning=args.plan or args.commands)
     if preset_name == "cpu":
         print("Using the small CPU preset: the table will not show the paper's numbers.")
-    out = Path(args.out)
     everything = [cfg for cfgs in plans.values() for cfg in cfgs]       # the fixed run list, numbered from 0
     mine = {id(cfg) for k, cfg in enumerate(everything)
             if not args.partial and (k in picked if picked else k % n_shards == shard)}
@@ -794,16 +644,15 @@ def reproduce(args, device: str, preset_name: str) -> int:
 
     def like(k, name):
         if name not in presets:
-            presets[name] = [cfg for n in names for cfg in experiment_configs(EXPERIMENTS[n], args.device, args.out,
-                                                                               name, how)]
+            presets[name] = [cfg for exp in EXPERIMENTS.values()
+                             for cfg in experiment_configs(exp, args.device, args.out, name, how)]
         return presets[name][k]
     other = {k: v for k, v in other_setup(everything, like, present).items()
              if k not in todo}                            # --force retrains todo's
     times = print_plan(everything, todo, present, args.jobs, other, scope, outside)
     again = [k for k, cfg in enumerate(everything) if picked and id(cfg) in mine and id(cfg) not in todo]
     if again:                                             # asked for by number, yet not trained: say so
-        print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again "
-              "(--force reruns them)")
+        print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again (--force reruns them)")
     if args.plan:
         return 0
     if other:
@@ -816,7 +665,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
     queue = sorted((cfg for cfg in everything if id(cfg) in todo),
                    key=lambda cfg: -math.inf if times[id(cfg)] is None else -times[id(cfg)])
     failed = run_many(queue, run, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
-    experiments.write_tables(EXPERIMENTS, plans, out, mine, args.partial, suffix,
+    experiments.write_tables(EXPERIMENTS, plans, Path(args.out), mine, args.partial, suffix,
                              budget if args.reproduce == "all" else None)
     check_failures(failed, len(todo))
     return 0
@@ -841,7 +690,8 @@ def parse_runs(text: str | None, n_runs: int, shard: str | None) -> set[int]:
     picked = parse_list(text, int, "--runs")
     bad = [k for k in picked if not 0 <= k < n_runs]
     if bad or len(set(picked)) < len(picked):
-        raise UsageError(f"--runs takes distinct run numbers from 0 to {n_runs - 1} (as --plan prints them), got {text!r}")
+        raise UsageError(f"--runs takes distinct run numbers from 0 to {n_runs - 1} (as --plan prints them), "
+                         f"got {text!r}")
     return set(picked)
 
 

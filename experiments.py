@@ -23,6 +23,7 @@ import numpy as np
 
 from tasks import TASKS
 from evaluation import glob_stored, read_metrics, read_stored, save_atomic, stored
+from jobs import UsageError
 from vipe import S_TEXT, ablation_label
 
 
@@ -926,10 +927,6 @@ def plot_sweep(name: str, exp: Experiment, out: Path) -> Path | None:
 # =============================================================================================
 # --reproduce (cli.reproduce): the experiments and runs a command names, and their tables once run
 # =============================================================================================
-
-class UsageError(Exception):
-    """Bad input: printed as one line by the command line (cli.main), which then exits with status 2."""
-
 
 def chosen(name: str, budget: str, seeds: list[int] | None, labels: list[str] | None) -> dict[str, Experiment]:
     """--reproduce NAME (or all) at --budget: {name: the experiment on the seeds of --seeds and the runs of

@@ -1,19 +1,21 @@
-"""Running many configs at once: one after another, or `--jobs` of them in a process pool, each logging to its
-<run>/train.log; SIGINT and SIGTERM turned into checkpoints (`stop_signals`); CUDA MPS so that runs sharing a GPU
-run side by side; the GPUs shared out between the jobs; job processes that outlive their runs found (/proc)
-and ended; and, before training, how long each run will take (`time_of`, `print_plan`: the queue starts with
-the longest).
+"""Running configs: one in its folder (`run_in_folder`: the folder's lock, and refusing a folder whose
+results or checkpoint were made with other options), or many at once: one after another, or `--jobs` of
+them in a process pool, each logging to its <run>/train.log; SIGINT and SIGTERM turned into checkpoints
+(`stop_signals`); CUDA MPS so that runs sharing a GPU run side by side; the GPUs shared out between the jobs;
+job processes that outlive their runs found (/proc) and ended; and, before training, how long each run will
+take (`time_of`, `print_plan`: the queue starts with the longest).
 
     failed = jobs.run_many(cfgs, cli.run, jobs=4)     # cli.run: one run with every check of the command line
 
-Everything about which runs to make and whether they may be made is cli.py's; this file only runs them. It
-imports train.py and below, never cli.py: `run_many` receives the function that makes one run.
+Which runs to make is cli.py's (and experiments.py's); this file runs them. It imports train.py and below,
+never cli.py: `run_many` receives the function that makes one run.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import faulthandler
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -32,8 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evaluation import fmt_time, glob_stored, read_metrics, summary_line
-from train import CKPT, Interrupted, TrainConfig, device_of
+from evaluation import fmt_time, glob_stored, read_metrics, read_stored, stored, summary_line
+from model import ModelConfig
+from tasks import TASKS
+from train import CKPT, Interrupted, TrainConfig, device_of, train
 
 
 @contextlib.contextmanager
@@ -75,6 +79,156 @@ class RunsFailed(Exception):
 class RunStopped(Exception):
     """A --jobs run stopped by a signal, with its checkpoint written (an Exception, unlike
     Interrupted, so that its process pool hands it back like any other outcome)."""
+
+
+# =============================================================================================
+# One run in its folder: its lock, and the options its results were made with
+# =============================================================================================
+
+class UsageError(Exception):
+    """Bad input, found before anything is written: printed as one line by the command line (cli.main),
+    which then exits with status 2."""
+
+
+def run_in_folder(cfg: TrainConfig, resume: bool | str = False, log=print, force: bool = False) -> dict:
+    """Train a checked config (cli.run) in its folder: refuse a folder holding other options, take its lock
+    (run.lock) and train; SIGINT or SIGTERM stops the run at the next step with a checkpoint. Returns the
+    metrics. resume: True, False, or "auto" (continue from the run's checkpoint where it has one: --reproduce)."""
+    check_run_folder(cfg, resume is True, force)   # "auto": a checkpoint with other options is refused too
+    if resume == "auto":
+        resume = not force and (cfg.run_dir() / CKPT).exists()
+        if resume:
+            log(f"continuing {cfg.run_dir()} from its checkpoint")
+    if resume:
+        check_resume(cfg)
+    lock = lock_run(cfg.run_dir())
+    try:
+        with stop_signals() as flag:
+            return train(cfg, resume, log, flag)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def lock_run(run_dir: Path) -> Path:
+    """Take <run>/run.lock (holding this process's pid) or refuse: another live process trains this
+    run. A lock left by a process that is gone is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "run.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+                if pid <= 0:
+                    raise ValueError("no pid")
+                os.kill(pid, 0)                       # raises if no such process
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)          # stale
+                continue
+            except PermissionError:                   # alive, owned by another user
+                pass
+            raise UsageError(f"{run_dir} is in use by process {pid} (remove {lock} if that is wrong)") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return lock
+    raise UsageError(f"cannot take {lock}")
+
+
+# Settings of how a run executes, not of what it computes: a rerun may change them freely.
+EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
+             "out"}
+RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
+
+
+def other_setup(cfgs: list[TrainConfig], like, present: set) -> dict:
+    """{id of a config: the options that differ} for each run present (`present`: ids of the configs
+    with a metrics.json) that was made with other options than its experiment's setup: a setup changed
+    since, whose old results a table must not take for the new. Each run is judged against the setup
+    under the preset it was made with, `like(k, preset)`: run k's config under that preset (so a CPU
+    builds the tables of GPU runs). Runs whose metrics hold no readable config are not judged."""
+    found = {}
+    for k, cfg in enumerate(cfgs):
+        if id(cfg) not in present:
+            continue
+        try:
+            saved = json.loads(read_stored(cfg.run_dir() / "metrics.json"))["config"]
+            diff = saved_diff(saved, like(k, saved["preset"]), RUN_KEYS)
+        except Exception:
+            continue
+        if diff:
+            found[id(cfg)] = diff
+    return found
+
+
+def check_run_folder(cfg: TrainConfig, resume: bool, force: bool = False):
+    """A run folder that holds a run (finished, or its checkpoint) with other options is refused
+    unless --force, naming the options that differ: a rerun must not replace results silently."""
+    if resume or force:
+        return
+    for name in ("metrics.json", CKPT):
+        path = cfg.run_dir() / name
+        if not stored(path):
+            continue
+        try:
+            saved = json.loads(read_stored(path))["config"] if name.endswith(".json") else \
+                torch.load(path, map_location="cpu", weights_only=False)["config"]
+            diff = saved_diff(saved, cfg, RUN_KEYS)
+        except Exception:   # an unreadable file holds no result to keep: it is overwritten
+            continue
+        if diff:
+            what = "a finished run" if name.endswith(".json") else "a started run (its checkpoint)"
+            raise UsageError(f"{cfg.run_dir()} holds {what} with other options ({diff}); give --tag NAME to "
+                             f"keep both, or --force to replace it")
+        return
+
+
+# Fields that must agree between a checkpoint and the run resuming it.
+RESUME_KEYS = ["task", "method", "seed", "batch_size", "train_lengths", "task_opts", "curriculum", "curriculum_steps",
+               "train_set", "model"]
+
+
+def check_resume(cfg: TrainConfig):
+    """--resume: the run's checkpoint exists, reads, belongs to this config and is not past its end."""
+    path = cfg.run_dir() / CKPT
+    if not path.exists():
+        raise UsageError(f"--resume: no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        saved = ckpt["config"]
+        assert isinstance(saved, dict) and "model" in ckpt
+    except Exception as e:  # any unreadable file is reported the same way
+        raise UsageError(f"--resume: checkpoint {path} is corrupt or unreadable ({type(e).__name__})") from None
+    diff = saved_diff(saved, cfg, RESUME_KEYS)
+    if diff:
+        raise UsageError(f"--resume: checkpoint {path} belongs to a different run ({diff})")
+    if ckpt["step"] > cfg.steps:
+        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {cfg.steps}")
+
+
+def saved_diff(saved: dict, cfg: TrainConfig, keys) -> str:
+    """config_diff between a run's saved config and cfg, as train() completes cfg (the task's
+    vocabulary and causality), with defaults for fields newer than the saved run."""
+    task = TASKS[cfg.task]
+    new = asdict(cfg)
+    new["model"].update(vocab_size=len(task.vocab), causal=task.causal)
+    saved = {**asdict(TrainConfig()), **saved, "model": {**asdict(ModelConfig()), **saved["model"]}}
+    if saved["method"] == "vipe":              # runs from when ViPE's two options were fields of the run
+        old = {"vipe_finetune": saved.get("finetune_steps", 0), "vipe_s": saved.get("s_rule", "fixed")}
+        saved["model"]["opts"] = {**{k: v for k, v in old.items() if v not in (0, "fixed")}, **saved["model"]["opts"]}
+    return config_diff(saved, new, keys)
+
+
+def config_diff(old: dict, new: dict, keys) -> str:
+    """'model.d_model: 32 -> 64; seed: 0 -> 1' for the fields (and model sub-fields) that differ."""
+    out = []
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{s}: {a.get(s)} -> {b.get(s)}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+        elif a != b:
+            out.append(f"{k}: {a} -> {b}")
+    return "; ".join(out)
 
 
 def run_many(cfgs: list[TrainConfig], run, jobs: int = 1, resume: bool | str = False, force: bool = False,

@@ -277,7 +277,7 @@ def test_every_experiment_runs_command_makes_the_same_run():
                     assert words[:2] == ["python", "train.py"]
                     read = parser.parse_args(words[2:])
                     again, = cli.configs_of(read, "cpu", read.preset)
-                    assert {k: getattr(again, k) for k in cli.RUN_KEYS} == {k: getattr(cfg, k) for k in cli.RUN_KEYS}, \
+                    assert {k: getattr(again, k) for k in jobs.RUN_KEYS} == {k: getattr(cfg, k) for k in jobs.RUN_KEYS}, \
                         (name, budget, preset, cfg.run_dir())
                     n += 1
     assert n > 200
@@ -510,7 +510,7 @@ def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one
     run0 = out / "copy" / "nope" / "seed0" / "metrics.json"
     gpu = train.asdict(make_config({**exp.runs[0], "seed": 0, "out": str(out)}, "gpu"))
     gpu["model"].update({k: json.loads(run0.read_text())["config"]["model"][k] for k in ("vocab_size", "causal")})
-    assert cli.saved_diff(gpu, make_config({**exp.runs[0], "seed": 0}, "cpu"), ["lr", "n_eval"])
+    assert jobs.saved_diff(gpu, make_config({**exp.runs[0], "seed": 0}, "cpu"), ["lr", "n_eval"])
     run0.write_text(json.dumps({"config": gpu}))
     assert "other setup" not in run_cli(capsys, *args, "--plan")[1]
     # a ViPE run of the time when its fine-tuning steps were a field of the run
@@ -518,9 +518,9 @@ def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one
     old = train.asdict(new)
     old["model"].update(opts={}, vocab_size=len(cli.TASKS["parity"].vocab))   # train() sets the vocabulary
     old.update(finetune_steps=200, s_rule="fixed")
-    assert cli.saved_diff(old, new, ["steps", "model"]) == ""
+    assert jobs.saved_diff(old, new, ["steps", "model"]) == ""
     old["finetune_steps"] = 100
-    assert cli.saved_diff(old, new, ["model"]) == "model.opts: {'vipe_finetune': 100} -> {'vipe_finetune': 200}"
+    assert jobs.saved_diff(old, new, ["model"]) == "model.opts: {'vipe_finetune': 100} -> {'vipe_finetune': 200}"
 
 
 def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkpoint(capsys, tmp_path, monkeypatch):

@@ -81,8 +81,9 @@ LAYOUT = {"tasks", "model", "train", "evaluation", "cli", "jobs", "experiments",
 
 def test_top_level_files_are_the_layouts_and_train_py_reads_in_one_sitting():
     assert {name for name in MODULES if "." not in name} == LAYOUT
-    lines = len((ROOT / "train.py").read_text().splitlines())
-    assert lines <= 500, f"train.py has {lines} lines (the layout asks at most 500)"
+    for name, most in (("train.py", 500), ("cli.py", 700)):   # the loop, and the command line without the plumbing
+        lines = len((ROOT / name).read_text().splitlines())
+        assert lines <= most, f"{name} has {lines} lines (the layout asks at most {most})"
     assert "evaluation" in GRAPH["train"] and not GRAPH["evaluation"] & {"train", "cli", "experiments"}
 
 

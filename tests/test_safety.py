@@ -431,11 +431,11 @@ def test_resume_refuses_every_option_that_must_agree(tmp_path, field, value, nam
                            n_eval=4, test_lengths=[2], train_lengths=[1, 2, 3], out=str(tmp_path), device="cpu",
                            log_every=1e9, ckpt_every=2), "cpu")
     train.train(cfg, log=lambda *_: None)
-    assert field.split(".")[0] in cli.RESUME_KEYS
+    assert field.split(".")[0] in jobs.RESUME_KEYS
     obj, name = (cfg.model, field[6:]) if field.startswith("model.") else (cfg, field)
     setattr(obj, name, value)
     with pytest.raises(cli.UsageError, match="belongs to a different run") as e:
-        cli.check_resume(cfg)
+        jobs.check_resume(cfg)
     assert named in str(e.value)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import cli
+import jobs
 import experiments
 import tasks
 import train
@@ -681,7 +682,7 @@ def test_each_run_sets_tf32_as_its_config_says(tmp_path):
             assert torch.backends.cuda.matmul.allow_tf32 is tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = was
-    assert "tf32" in cli.EXEC_KEYS and "tf32" not in cli.RUN_KEYS
+    assert "tf32" in jobs.EXEC_KEYS and "tf32" not in jobs.RUN_KEYS
 
 
 CLI_TINY = ["--task", "copy", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--steps", "15",

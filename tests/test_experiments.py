@@ -1111,6 +1111,31 @@ def test_verdict_follows_the_bootstrap_rule(tmp_path):
     assert experiments.verdict(exp([("t/b", "t/f", 0)]), tmp_path)[0].startswith("yes: 1 of 1")
 
 
+def test_a_relative_check_reads_each_seed_against_its_own_accuracy_in_training(tmp_path):
+    """Kept(0.9, (1, 1)): run a's value beyond training against 0.9 x its own at length 1, seed by seed. A run
+    that keeps 0.95 of 1.0 holds; one at 0.6 fails; one that fits nothing (0.02 in training, 0.0 beyond) keeps
+    nothing and fails by as little as its training accuracy."""
+    for seed, (good, bad, unfit) in enumerate([(0.95, 0.6, 0.0), (0.96, 0.55, 0.0), (0.94, 0.62, 0.0)]):
+        write_seed(tmp_path, "t/good", seed, good)
+        write_seed(tmp_path, "t/bad", seed, bad)
+        rows = [{"name": str(L), "length": L, "variant": None, "n": 10, "exact": e, "token": e}
+                for L, e in ((1, 0.02), (2, unfit))]
+        path = tmp_path / "t/unfit" / f"seed{seed}" / "metrics.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seed": seed, "eval": rows, "train_max_length": 1}))
+    kept = experiments.Kept(0.9, (1, 1))
+    exp = lambda run: experiments.Experiment(claim="", runs=[], columns=[("beyond", (2, 2), "exact")], paper={},  # noqa: E731
+                                             scaled="", checks=[(run, kept, 0)], seeds=[0, 1, 2])
+    word, lines = experiments.verdict(exp("t/good"), tmp_path)
+    assert word == "yes: 1 of 1 checks hold", (word, lines)
+    assert lines[0].startswith("t/good above 0.9 x its own 1-1 in beyond: mean 0.950 vs 0.900, difference"), lines
+    assert experiments.verdict(exp("t/bad"), tmp_path)[0] == "no: 0 of 1 checks hold"
+    word, lines = experiments.verdict(exp("t/unfit"), tmp_path)
+    assert word == "no: 0 of 1 checks hold" and "mean 0.000 vs 0.018" in lines[0], lines
+    assert experiments.at_budget(experiments.EXPERIMENTS["upe-mul"], "full").checks[-1] == \
+        ("mul_padded/upe-m3-full", kept.__class__(0.9, (1, 5)), 3)
+
+
 def test_verdict_compares_two_runs_over_the_seeds_both_ran(tmp_path):
     """With more seeds in one run than in the other (--partial), a comparison is over the seeds both have:
     a's two extra seeds would lift its mean over all of its own seeds (0.600) above b's (0.567)."""
@@ -1151,7 +1176,7 @@ def test_every_experiment_states_its_claim_as_checks_of_its_own_runs():
             for a, b, col in e.checks:
                 assert 0 <= col < len(e.columns), (name, col)
                 for x in (a, b):
-                    assert isinstance(x, float) or x in labels, (name, budget, x)
+                    assert isinstance(x, (float, experiments.Kept)) or x in labels, (name, budget, x)
 
 
 def test_every_experiment_has_three_seeds_at_both_budgets():

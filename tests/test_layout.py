@@ -1,6 +1,7 @@
 """The layout: imports flow one way (kernels at the ground, no circle), and
 `python train.py` runs train.py's body once."""
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,23 @@ def test_readme_install_block_is_what_ci_runs():
     block = readme[readme.index("## Install"):readme.index("## Quick start")]
     assert "pip install torch==2.13.0" in block and "pip install -q torch==2.13.0" in ci
     assert "pip install -r requirements.txt" in block and "pip install -q -r requirements.txt" in ci
+
+
+def test_the_gpu_suite_deals_every_gpu_test_once_keeping_the_kernels_of_a_group_together():
+    """.ci/gpu shares the GPU tests out between its processes (GPU_SUITE_DEAL_ONLY=1 prints the deal): every
+    test marked gpu once, every process some, and the tests that differ only in their last parameter (a length,
+    the same compiled kernels) in one process."""
+    env = {**os.environ, "GPU_SUITE_DEAL_ONLY": "1", "GPU_SUITE_PROCS": "4"}
+    dealt = subprocess.run(["bash", str(ROOT / ".ci" / "gpu")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert dealt.returncode == 0, dealt.stderr
+    pairs = [line.split(" ", 1) for line in dealt.stdout.splitlines()]
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300).stdout
+    ids = [line for line in collected.splitlines() if "::" in line]
+    assert len(ids) > 100 and sorted(test for _, test in pairs) == sorted(ids)
+    assert {proc for proc, _ in pairs} == {"0", "1", "2", "3"}
+    where = dict((test, proc) for proc, test in pairs)
+    group = [t for t in ids if t.startswith("tests/test_path_attention.py::test_triton_gpu_default_blocks[False-16-")
+             and "dtype0" in t]
+    assert len(group) == 4 and len({where[t] for t in group}) == 1

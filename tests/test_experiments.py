@@ -521,6 +521,15 @@ def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one
     assert jobs.saved_diff(old, new, ["steps", "model"]) == ""
     old["finetune_steps"] = 100
     assert jobs.saved_diff(old, new, ["model"]) == "model.opts: {'vipe_finetune': 100} -> {'vipe_finetune': 200}"
+    # ViPE's experiments name the fresh fine-tuning optimiser: runs from before it was the default (the run's Adam
+    # state continued) are another setup for them, those made with it (their config says so) are not
+    vipe = next(r for r in experiments.EXPERIMENTS["vipe-parity"].runs if r["method"] == "vipe")
+    setup = make_config({**vipe, "seed": 0}, "cpu")
+    before = train.asdict(setup)
+    before["model"].update(opts={"vipe_finetune": 200}, vocab_size=len(cli.TASKS["parity"].vocab))
+    assert "vipe_ft_optim" in jobs.saved_diff(before, setup, jobs.RUN_KEYS)
+    before["model"]["opts"]["vipe_ft_optim"] = "fresh"
+    assert jobs.saved_diff(before, setup, jobs.RUN_KEYS) == ""
 
 
 def test_runs_trains_the_picked_runs_and_a_stopped_run_continues_from_its_checkpoint(capsys, tmp_path, monkeypatch):

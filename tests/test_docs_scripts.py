@@ -448,6 +448,8 @@ def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tm
     line = next(line for line in text if "s = 2, fine-tuned with it" in line)
     assert "(s at 17-24: 2) | 1 | " in line and f"| {vh.value(also, 17, 24):.3f} (" in line
     assert sum("vipe-L2-full-s2also" in line for line in text) == 1 + len(m["eval_ablations"])
+    drawn = vh.plot_readings(tmp_path / "full" / "parity", tmp_path / "readings.png")
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     def rows(v):
         return [{"length": L, "exact": 1.0 if L <= 16 else v, "token": 1.0, "last": 1.0} for L in (8, 20)]

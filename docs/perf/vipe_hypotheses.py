@@ -128,6 +128,36 @@ def readings(task_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def plot_readings(task_dir: Path, path: Path) -> Path:
+    """Exact match by length of each reading (`readings`) of the runs in task_dir/vipe-L*: the mean over seeds
+    and the seeds' min-max, one panel per run folder."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from evaluation import save_atomic
+
+    folders = [f for f in sorted(task_dir.glob("vipe-L*")) if seed_metrics(f)]
+    fig, axes = plt.subplots(1, len(folders), figsize=(7 * len(folders), 4), squeeze=False)
+    for ax, folder in zip(axes[0], folders):
+        ms = seed_metrics(folder)
+        named = {"the paper's: fine-tuned with the fixed s": [m["eval"] for m in ms]}
+        named.update({name: [m["eval_ablations"][name] for m in ms] for name in ms[0].get("eval_ablations", {})})
+        for name, runs in named.items():
+            lengths = [r["length"] for r in runs[0]]
+            acc = np.array([[r["exact"] for r in rows] for rows in runs])           # (seeds, lengths)
+            line, = ax.plot(lengths, acc.mean(0), marker=".", label=name)
+            ax.fill_between(lengths, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
+        ax.axvline(ms[0]["train_max_length"], color="grey", linestyle="--", label="longest training length")
+        ax.set(title=f"{folder.name} ({len(ms)} seeds; band: min-max)", xlabel="length", ylabel="exact match",
+               ylim=(-0.02, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_atomic(fig, path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def rescore(results: Path) -> str:
     """The stored runs of ViPE and NoPE on the three synthetic tasks read three ways at 17-24 and 25-32: exact
     match per sequence, accuracy per token, and the final answer where the run recorded it (its rows' "last")."""
@@ -152,6 +182,7 @@ def main(argv=None) -> int:
                    "NoPE runs per sequence, per token and on the final answer")
     p.add_argument("--readings", action="store_true", help="table every reading of the runs in task_dir")
     p.add_argument("--full", action="store_true", help="with --commands: the paper's setup, s = 3 and s = 2")
+    p.add_argument("--plot", metavar="PNG", help="with --readings: also draw each reading by length")
     p.add_argument("--task", default="parity")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs")
@@ -164,6 +195,8 @@ def main(argv=None) -> int:
         p.error("give runs/<task> or --commands")
     print(rescore(Path(a.task_dir)) if a.rescore else readings(Path(a.task_dir)) if a.readings
           else table(Path(a.task_dir)))
+    if a.plot:
+        print(f"wrote {plot_readings(Path(a.task_dir), Path(a.plot))}")
     return 0
 
 

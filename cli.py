@@ -226,8 +226,8 @@ def numeric_checks(cfg: TrainConfig):
             ("--curriculum-steps", cfg.curriculum_steps, cfg.curriculum_steps >= 0, ">= 0"),
             ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
              "0 or at least the batch size"),
-            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"),
-            ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--norm", m.norm, m.norm in ("pre", "post"), "pre or post"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
 
@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-heads", type=int)
     g.add_argument("--ape-shift", type=int, help="APE: random position offset in [0, N] during training")
     g.add_argument("--tie-weights", action="store_true", default=None)
+    g.add_argument("--norm", choices=("pre", "post"), help="pre-norm blocks (default) or post-norm, as in BERT")
     g.add_argument("--dropout", type=float, help="on the embeddings and each residual branch (default 0)")
     g.add_argument("--method-opt", action="append", metavar="KEY=VALUE",
                    help="method option (ModelConfig.opts), e.g. vipe_mode=value; combine with --tag")
@@ -542,7 +543,7 @@ def configs_of(args, device: str, preset_name: str) -> list[TrainConfig]:
             raise UsageError(f"{flag} names {sorted(x for x in set(items) if items.count(x) > 1)[0]} twice")
     check_applies(args, methods)
     values = dict(task=args.task, device=args.device, out=args.out, tag=args.tag, d_model=args.d_model,
-                  n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift,
+                  n_layers=args.n_layers, n_heads=args.n_heads, ape_shift=args.ape_shift, norm=args.norm,
                   tie_weights=args.tie_weights, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
                   beta2=args.beta2, dropout=args.dropout, adam_eps=args.adam_eps, precision=args.precision,

@@ -45,6 +45,8 @@ class ModelConfig:
     t5_max_distance: int = 128   # T5 bias: distances beyond this share the last bucket
     fire_hidden: int = 32        # FIRE: hidden width of the bias MLP
     rope_base: float = 10000.0   # RoPE: frequency base
+    norm: str = "pre"            # "pre": each branch reads a normalised copy, one norm before the head;
+                                 # "post" (BERT): the embedding and each block's sums normalised, none after
     opts: dict = field(default_factory=dict)  # options of methods defined in other files
 
 
@@ -344,15 +346,20 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)     # p = 0: the identity, drawing no random numbers
+        self.post = cfg.norm == "post"
 
     def forward(self, h, ctx):
+        if self.post:                                   # BERT: h = LN(h + f(h)) for each branch
+            h = self.norm1(h + self.drop(self.attn(h, ctx)))
+            return self.norm2(h + self.drop(self.mlp(h)))
         h = h + self.drop(self.attn(self.norm1(h), ctx))
         return h + self.drop(self.mlp(self.norm2(h)))
 
 
 class Model(nn.Module):
-    """Pre-norm Transformer: embedding -> blocks -> norm -> linear head, with two generic hooks
-    for encodings that act outside one attention call (embedding, before block i)."""
+    """Pre-norm Transformer: embedding -> blocks -> norm -> linear head (or post-norm, cfg.norm: embedding
+    -> norm -> blocks -> linear head), with two generic hooks for encodings that act outside one attention
+    call (embedding, before block i)."""
 
     def __init__(self, cfg: ModelConfig, method: Method):
         super().__init__()
@@ -373,12 +380,13 @@ class Model(nn.Module):
         h = self.embed(x)                                       # (B, T, C)
         if self.hooks is not None:
             h = self.hooks.embed(h, ctx)
-        h = self.drop(h)
+        post = self.cfg.norm == "post"
+        h = self.drop(self.norm(h) if post else h)              # post-norm: the norm on the embedding
         for i, block in enumerate(self.blocks):
             if self.hooks is not None:
                 self.hooks.before_block(i, h, ctx)
             h = block(h, ctx)
-        return self.head(self.norm(h))
+        return self.head(h if post else self.norm(h))
 
 
 def batch_context(task, batch, device, s: float = 1.0) -> dict:

@@ -910,3 +910,40 @@ def test_compiled_step_compiles_each_padded_length_for_that_length():
     assert not torch._functorch.config.enable_autograd_cache     # see train.compiled
     assert sorted(step.buffers) == [32, 64, 96]
     assert len(symbolic) >= 3 and not any(symbolic), symbolic
+
+
+def test_a_post_norm_model_is_berts_order_of_sums_and_norms():
+    """norm="post": the embedding normalised, then h = LN1(h + attn(h)) and h = LN2(h + mlp(h)) in each block,
+    and the head reads the last block's output without a further norm (BERT's order); "pre" (the default) is
+    h + attn(LN1(h)), h + mlp(LN2(h)), then the final norm. Both from the model's own modules, by hand."""
+    from model import Model
+    torch.manual_seed(0)
+    x = torch.randint(0, 12, (3, 9))
+    for norm in ("post", "pre"):
+        net = Model(ModelConfig(vocab_size=12, d_model=16, n_layers=2, n_heads=2, causal=False, method="nope",
+                                norm=norm), train.METHODS["nope"])
+        for p in net.parameters():                      # norms with weights and biases other than 1 and 0
+            torch.nn.init.normal_(p, std=0.5)
+        ctx = {"tokens": x}
+        h = net.embed(x)
+        h = net.norm(h) if norm == "post" else h
+        for b in net.blocks:
+            if norm == "post":
+                h = b.norm1(h + b.attn(h, ctx))
+                h = b.norm2(h + b.mlp(h))
+            else:
+                h = h + b.attn(b.norm1(h), ctx)
+                h = h + b.mlp(b.norm2(h))
+        want = net.head(h if norm == "post" else net.norm(h))
+        assert torch.allclose(net(x), want, atol=1e-6), norm
+
+
+def test_norm_post_is_a_flag_recorded_with_the_run_and_printed_in_its_command(tmp_path):
+    cfg = make_config(dict(task="copy", method="rope", norm="post", device="cpu", out=str(tmp_path)), "cpu")
+    cli.validate(cfg)
+    assert cfg.model.norm == "post" and "--norm post" in cli.command_of(cfg)
+    assert "--norm" not in cli.command_of(make_config(dict(task="copy", method="rope", device="cpu"), "cpu"))
+    assert main(["--task", "copy", "--method", "rope", "--norm", "post", "--steps", "2", "--n-eval", "2",
+                 "--test-lengths", "4", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    saved = json.loads((tmp_path / "copy" / "rope" / "seed0" / "metrics.json").read_text())
+    assert saved["config"]["model"]["norm"] == "post"

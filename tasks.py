@@ -1006,6 +1006,9 @@ class MulPadded(_Padded):
     slot[t] = index of the multiplier digit at its position (0 = least significant), -1 elsewhere.
     `length` = k: the multiplicand is uniform below 10^k. Train k = 5; test k = 1..width.
 
+    With multiplier_low = N > 0 the multiplier is uniform in N .. 10^multiplier_digits - 1, of 1 to
+    multiplier_digits digits (a batch right-padded to its longest); 0 (default): exactly multiplier_digits.
+
     Example (width 20, 56 × 4297):
         x    = 5 6 × #16 4 2 9 7
         y    = . #16 2 4 0 6 3 2
@@ -1021,13 +1024,27 @@ class MulPadded(_Padded):
         slot = list(range(m - 1, -1, -1)) + [-1] * (width + 1)
         return x, y, slot
 
-    def _sample(self, n, length, rng, width=None, multiplier_digits=3):
+    def _sample(self, n, length, rng, width=None, multiplier_digits=3, multiplier_low=0):
         width = self.width if width is None else width
         if multiplier_digits not in (1, 2, 3):
             raise ValueError(f"task mul_padded: multiplier_digits must be 1, 2 or 3, got {multiplier_digits}")
         m = multiplier_digits
+        if multiplier_low:                   # multipliers uniform in [low, 10^m): 1 to m digits, one part per count
+            if not 1 <= multiplier_low < 10 ** m:
+                raise ValueError(f"task mul_padded: multiplier_low must be 0 or from 1 to {10 ** m - 1}, "
+                                 f"got {multiplier_low}")
+            values = rng.integers(multiplier_low, 10 ** m, size=n)
+            counts = np.array([len(str(v)) for v in values])
+            return collate([self._product(np.array([[int(c) for c in str(v)] for v in values[counts == d]]), length,
+                                          rng, width) for d in sorted(set(counts))], self.pad_id)
         a = rng.integers(0, 10, size=(n, m))                           # most significant digit first
         a[:, 0] = rng.integers(1, 10, size=n)
+        return self._product(a, length, rng, width)
+
+    def _product(self, a, length, rng, width):
+        """The batch of the multipliers' digits a (n, m), most significant first, times multiplicands below
+        10^length drawn here."""
+        n, m = a.shape
         b = np.zeros((n, width), dtype=np.int64)                       # least significant digit first
         b[:, :length] = rng.integers(0, 10, size=(n, length))
         columns = np.zeros((n, width + m), dtype=np.int64)

@@ -564,3 +564,28 @@ def test_a_fixed_training_set_is_visited_once_per_epoch_in_a_new_order():
     assert torch.equal(again[5].x, data[5].x) and torch.equal(again[5].y, data[5].y)
     other = TrainBatches(task, list(range(1, 17)), 16, 8, 12, train_set=64)
     assert not torch.equal(other[0].x, data[0].x)
+
+
+def test_multipliers_drawn_from_a_range_are_every_length_up_to_the_digits():
+    """multiplier_low=1: multipliers uniform in 1..999, so of 1, 2 and 3 digits in about the ratio 9 : 90 : 900;
+    each row is `tokens` of its own operands (the multiplier not padded), right-padded with <pad> to the longest
+    row, the padding unsupervised and outside every slot; multiplier_low=0 (the default) draws as before."""
+    mul = TASKS["mul_padded"]
+    batch = mul.sample(2000, 5, rng(), multiplier_low=1)
+    ids = lambda toks: [IGNORE if t is None else mul.stoi[t] for t in toks]  # noqa: E731
+    counts = {1: 0, 2: 0, 3: 0}
+    for b in range(2000):
+        row = batch.x[b].tolist()
+        real = [t for t in row if t != mul.pad_id]
+        toks = [mul.vocab[i] for i in real]
+        m = toks.index("×")
+        a, c = int("".join(toks[:m])), int("".join(t for t in toks[m + 1:] if t != "#"))
+        counts[m] += 1
+        x, y, slot = mul.tokens(a, c, 20)
+        n, pad = len(x), len(row) - len(x)
+        assert toks == x and row[n:] == [mul.pad_id] * pad and 1 <= a <= 999 and c < 10 ** 5
+        assert batch.y[b].tolist() == ids(y) + [IGNORE] * pad and batch.slot[b].tolist() == slot + [-1] * pad
+    assert counts[1] > 0 and 100 < counts[2] < 300 and counts[3] > 1600, counts
+    assert torch.equal(mul.sample(50, 5, rng()).x, mul.sample(50, 5, rng(), multiplier_low=0).x)
+    with pytest.raises(ValueError, match="multiplier_low must be 0 or from 1 to 999"):
+        mul.sample(4, 5, rng(), multiplier_low=1000)

@@ -290,6 +290,10 @@ class ViPEAttention(nn.Module):
                                      ("vipe_g", self.g, G_FORMS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        tuning = [k for k in ("vipe_ft_optim", "vipe_ft_lr", "vipe_ramp", "vipe_s_also") if k in cfg.opts]
+        if tuning and not (cfg.opts.get("vipe_finetune") and cfg.opts.get("vipe_s", "fixed") == "fixed"):
+            raise ValueError(f"{tuning[0]} sets the fine-tuning, which runs with vipe_s=fixed and vipe_finetune=N "
+                             "(N > 0) only")
         C, H = cfg.d_model, cfg.n_heads
         self.H, self.D = H, C // H
         self.Dv = self.D - 1

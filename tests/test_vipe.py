@@ -314,6 +314,14 @@ def test_cli_rejects_a_bad_method_option(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and "vipe_mode must be one of" in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+    # a fine-tuning option where no fine-tuning runs: no fine-tuning steps, or a rule for s other than fixed
+    for opts in (["vipe_s_also=2"], ["vipe_ft_optim=continued"], ["vipe_ft_lr=0.001"], ["vipe_ramp=true"],
+                 ["vipe_s_also=2", "vipe_finetune=5", "vipe_s=per_length"]):
+        code = main(["--task", "parity", "--method", "vipe", *[w for o in opts for w in ("--method-opt", o)],
+                     "--out", str(tmp_path / "runs"), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert code == 2 and "sets the fine-tuning, which runs with vipe_s=fixed and vipe_finetune" in err, opts
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- the Triton kernels around SDPA (interpreter on CPU, compiled on a GPU) ----------------------

@@ -46,7 +46,8 @@ L_test_max / L_train_max), and vipe_s_also, a second one tried on a copy; vipe_f
 trained with it before the test, with vipe_ft_optim (fresh, the default, or continued) at vipe_ft_lr
 (default the run's final rate) and vipe_ramp. Ablations of the paper's forms, each an open question
 of the paper's text: vipe_code (`code_distance`: the paper's linear code, or a bounded one) and vipe_g
-(the logit factor g(s) = s, or a s + b learned per head, its appendix C.3). They run on the PyTorch paths (`vipe_attention`).
+(the logit factor g(s) = s, or a s + b learned per head, its appendix C.3). They run on the PyTorch
+paths (`vipe_attention`).
 
 Shapes: B batch, H heads, T time, D query/key head dim, Dv value head dim, d_p code width.
 """

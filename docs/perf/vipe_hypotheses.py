@@ -4,6 +4,7 @@
     python docs/perf/vipe_hypotheses.py runs/parity            # the tables, from the run folders present
     python docs/perf/vipe_hypotheses.py --rescore docs/results # stored runs by sequence, token and final answer
     python docs/perf/vipe_hypotheses.py --full --commands      # the paper's setup with s = 3 and s = 2 (below)
+    python docs/perf/vipe_hypotheses.py --full --ramp --commands   # the same, s rising from 1 over 1000 steps
     python docs/perf/vipe_hypotheses.py --readings DIR         # every reading of the runs in DIR/vipe-L*
 
 Each variant is the quick vipe-parity run of ViPE-L2 (`--reproduce vipe-parity --commands`: the gpu preset,
@@ -28,7 +29,8 @@ lengths as such a rule does.
 The best of these at the paper's own setup (`--full`): ViPE-L2 as `--reproduce vipe-parity --budget full` runs it
 (256k steps, constant rate, the paper's fixed set of 32,768 sequences), seeds 0, 42 and 123, with
 vipe_s_also=2: the paper's fine-tuning and test with s = 3, and with s = 2 on a copy of the same trained model.
-`--readings` tables each reading of such runs: the paper's, the one with the second s, and the three rules on
+With `--ramp` the two fine-tunings take 1000 steps with s rising linearly from 1 to 3 (and to 2 on the copy)
+instead of the paper's 200 at the fixed s (vipe_ramp). `--readings` tables each reading of such runs: the paper's, the one with the second s, and the three rules on
 the model as trained.
 """
 from __future__ import annotations
@@ -65,8 +67,10 @@ def commands(task: str, seeds: str, out: str) -> list[str]:
 
 
 FULL = ("python train.py --task {task} --method vipe --preset gpu --seeds {seeds} --jobs {jobs} --steps 256000 "
-        "--weight-decay 0.0 --adam-eps 0.0001 --min-lr-ratio 1.0 --train-set 32768 --n-eval 2048 --tag L2-full-s2also "
-        "--method-opt vipe_finetune=200 --method-opt vipe_s_also=2 --compile --workers 4 --out {out} --device cuda")
+        "--weight-decay 0.0 --adam-eps 0.0001 --min-lr-ratio 1.0 --train-set 32768 --n-eval 2048 --tag L2-full-{tag} "
+        "{finetune} --method-opt vipe_s_also=2 --compile --workers 4 --out {out} --device cuda")
+FINETUNE = {"s2also": "--method-opt vipe_finetune=200",                              # the paper's 200 steps
+            "ramp": "--method-opt vipe_finetune=1000 --method-opt vipe_ramp=true"}   # s rising from 1 over 1000
 
 
 def value(rows, lo, hi, key="exact"):
@@ -182,13 +186,17 @@ def main(argv=None) -> int:
                    "NoPE runs per sequence, per token and on the final answer")
     p.add_argument("--readings", action="store_true", help="table every reading of the runs in task_dir")
     p.add_argument("--full", action="store_true", help="with --commands: the paper's setup, s = 3 and s = 2")
+    p.add_argument("--ramp", action="store_true", help="with --full: the fine-tuning 1000 steps with s rising from 1 "
+                   "(vipe_ramp), to 3 and, on the copy, to 2")
     p.add_argument("--plot", metavar="PNG", help="with --readings: also draw each reading by length")
     p.add_argument("--task", default="parity")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--out", default="runs")
     a = p.parse_args(argv)
     if a.commands:
-        print(FULL.format(task=a.task, seeds=a.seeds, jobs=len(a.seeds.split(",")), out=a.out) if a.full
+        tag = "ramp" if a.ramp else "s2also"
+        print(FULL.format(task=a.task, seeds=a.seeds, jobs=len(a.seeds.split(",")), out=a.out, tag=tag,
+                          finetune=FINETUNE[tag]) if a.full
               else "\n".join(commands(a.task, a.seeds, a.out)))
         return 0
     if not a.task_dir:

@@ -406,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--commands", action="store_true", help="with --reproduce: print the train.py command of each "
                    "of its runs (those of --runs or --shard), to run or change by hand (an ablation: another value "
                    "and a --tag of its own), then stop")
-    g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, build its tables and "
-                   "figures from the runs present (each over its seeds present; the plan lists the missing ones)")
+    g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, table the runs present "
+                   "(each over its seeds; the plan lists the missing; one of another setup: its table kept, exit 1)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
     g.add_argument("--help-task", metavar="NAME", help="a task's description and --task-opt options, then exit")
     g.add_argument("--force", action="store_true", help="with --reproduce: rerun results already present; "
@@ -656,7 +656,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
         print(f"--runs: run(s) {', '.join(map(str, again))} present already, not trained again (--force reruns them)")
     if args.plan:
         return 0
-    if other:
+    if other and not args.partial:                        # --partial: tables the experiments free of them
         first = next(cfg for cfg in everything if id(cfg) in other)
         raise UsageError(f"{len(other)} run(s) present were made with other options than the setup now (the plan "
                          f"says which; {first.run_dir()}: {other[id(first)]}), so a table would take them for the "
@@ -667,9 +667,9 @@ def reproduce(args, device: str, preset_name: str) -> int:
                    key=lambda cfg: -math.inf if times[id(cfg)] is None else -times[id(cfg)])
     failed = run_many(queue, run, args.jobs, resume=not args.force and "auto", force=args.force, mps=not args.no_mps)
     experiments.write_tables(EXPERIMENTS, plans, Path(args.out), mine, args.partial, suffix,
-                             budget if args.reproduce == "all" else None)
+                             budget if args.reproduce == "all" else None, other)
     check_failures(failed, len(todo))
-    return 0
+    return 1 if other else 0
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -1026,14 +1027,21 @@ def write_summaries(cfgs, own_seeds: bool = False):
 
 
 def write_tables(exps: dict[str, Experiment], plans: dict, out: Path, ran: set, partial: bool, suffix: str,
-                 every: str | None = None) -> None:
+                 every: str | None = None, other: dict | None = None) -> None:
     """After the runs of --reproduce: per experiment, its summaries, figures and table (reproduce/NAME<suffix>.md),
     once all its runs are present (`plans`: name -> its configs; `ran`: ids of the configs this command
     trained; with `partial`, from the runs present); with `every` (the budget of --reproduce all), all of them
-    in reproduce/all<suffix>.md."""
+    in reproduce/all<suffix>.md. An experiment with a run present of another setup (`other`, ids of configs:
+    jobs.other_setup) is not tabled: its table stays as it was, and the command says so."""
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
+        stale = [cfg for cfg in cfgs if id(cfg) in (other or {})]
+        if stale:
+            print(f"error: {name}: not tabled, its table left as it was: {len(stale)} of its runs present were made "
+                  f"with other options than its setup now (the plan says which; e.g. {stale[0].run_dir()}): "
+                  "--force reruns them, or move them aside", file=sys.stderr)
+            continue
         waiting = [cfg for cfg in cfgs if id(cfg) not in ran and not stored(cfg.run_dir() / "metrics.json")]
         exp = exps[name]
         if waiting and partial:

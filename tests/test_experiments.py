@@ -502,6 +502,17 @@ def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "2 run(s) present were made with other options" in err
     assert not (out / "reproduce" / "tiny.md").exists()
+    # --partial of several experiments tables those free of such runs, keeps the other's table, and exits 1
+    (out / "reproduce" / "tiny.md").write_text("the table as it was\n")
+    every, nope_only = experiments.EXPERIMENTS, dataclasses.replace(exp, runs=[exp.runs[0]])
+    monkeypatch.setattr(experiments, "EXPERIMENTS", {"tiny": every["tiny"], "nope": nope_only})
+    code, _, err = run_cli(capsys, "--reproduce", "all", "--partial", "--out", str(out), "--device", "cpu")
+    assert code == 1 and "tiny: not tabled, its table left as it was: 2 of its runs present" in err
+    assert (out / "reproduce" / "tiny.md").read_text() == "the table as it was\n"
+    assert "copy/nope | this repo" in (out / "reproduce" / "nope.md").read_text()
+    assert not (out / "reproduce" / "all.md").exists()
+    monkeypatch.setattr(experiments, "EXPERIMENTS", every)
+    (out / "reproduce" / "tiny.md").unlink()
     code, stdout, _ = run_cli(capsys, *args, "--runs", "2,3", "--force")
     assert code == 0 and "2 to train" in stdout and (out / "reproduce" / "tiny.md").exists()
     assert json.loads((out / "copy" / "rope" / "seed0" / "metrics.json").read_text())["config"]["steps"] == 7

@@ -370,6 +370,7 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, method.attention) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.post = cfg.norm == "post"
         if cfg.tie_weights:
             self.head.weight = self.embed.weight
 
@@ -380,13 +381,12 @@ class Model(nn.Module):
         h = self.embed(x)                                       # (B, T, C)
         if self.hooks is not None:
             h = self.hooks.embed(h, ctx)
-        post = self.cfg.norm == "post"
-        h = self.drop(self.norm(h) if post else h)              # post-norm: the norm on the embedding
+        h = self.drop(self.norm(h) if self.post else h)         # post-norm: the norm on the embedding
         for i, block in enumerate(self.blocks):
             if self.hooks is not None:
                 self.hooks.before_block(i, h, ctx)
             h = block(h, ctx)
-        return self.head(h if post else self.norm(h))
+        return self.head(h if self.post else self.norm(h))
 
 
 def batch_context(task, batch, device, s: float = 1.0) -> dict:

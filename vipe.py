@@ -247,7 +247,8 @@ def final_evaluation(run) -> tuple[list[dict], dict]:
             return tag(net.evaluate(net.test_lengths, lambda L: s), "fine-tuned")
         if run.opts.get("vipe_s_also") and not run.during:
             s_also = float(run.opts["vipe_s_also"])
-            also = {f"s = {s_also:g}, fine-tuned with it (vipe_s_also)": tuned(run.fork(), s_also)}
+            how = " ramped from 1" if run.opts.get("vipe_ramp") else ""
+            also = {f"s = {s_also:g}, fine-tuned with it{how} (vipe_s_also)": tuned(run.fork(), s_also)}
         rows = tuned(run, s_fixed)
     else:
         rows = before.get(rule) or tag(run.evaluate(run.test_lengths, rules[rule]), "as trained")

@@ -514,3 +514,20 @@ def test_a_second_fixed_s_is_the_same_protocol_on_a_copy_of_the_trained_model(tm
     weights = [torch.load(tmp_path / d / "parity" / "vipe" / "seed0" / "model.pt") for d in "ab"]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
     assert set(both["eval_ablations"]) == set(at3["eval_ablations"]) | {"s = 2, fine-tuned with it (vipe_s_also)"}
+
+
+def test_with_the_ramp_the_second_s_rises_to_it_too_and_its_reading_says_so(tmp_path, monkeypatch):
+    """vipe_s_also=2 with vipe_ramp: the copy's 4 fine-tuning steps take s = 1.25, 1.5, 1.75, 2, then the run's own
+    1.5, 2, 2.5, 3; the copy's reading is named as ramped, and its rows are at s = 2."""
+    import train
+    real, tuning = train.Step.__call__, []
+
+    def spy(self, batch):
+        if self.s != 1.0:
+            tuning.append(self.s)
+        return real(self, batch)
+    monkeypatch.setattr(train.Step, "__call__", spy)
+    got = train.train(protocol_run(tmp_path, vipe_finetune=4, vipe_ramp=True, vipe_s_also=2.0), log=lambda *_: None)
+    assert tuning == pytest.approx([1.25, 1.5, 1.75, 2.0, 1.5, 2.0, 2.5, 3.0])
+    also = got["eval_ablations"]["s = 2, fine-tuned with it ramped from 1 (vipe_s_also)"]
+    assert {r["s"] for r in also} == {2.0} and {r["s"] for r in got["eval"]} == {3.0}

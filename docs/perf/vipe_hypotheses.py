@@ -112,6 +112,13 @@ def table(task_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def how_tuned(metrics: dict) -> str:
+    """How a run's own reading was fine-tuned: the paper's fixed s, or ramped to it (vipe_ramp)."""
+    opts = metrics["config"]["model"].get("opts") or {}
+    return (f"fine-tuned {opts.get('vipe_finetune')} steps with s ramped from 1 to the fixed s" if opts.get("vipe_ramp")
+            else "fine-tuned with the fixed s")
+
+
 def readings(task_dir: Path) -> str:
     """Per run folder, each reading of its seeds: the run's own (the paper's protocol) and every eval_ablations
     entry, exact match at 1-16 / 17-24 / 25-32, and at 17-24 per token and on the final answer."""
@@ -119,7 +126,7 @@ def readings(task_dir: Path) -> str:
              "| --- |" + " --- |" * 7]
     for folder in sorted(task_dir.glob("vipe-L*")):
         ms = seed_metrics(folder)
-        names = ["the paper's reading: fine-tuned with the fixed s"] + list(ms[0].get("eval_ablations", {}))
+        names = [f"the paper's reading: {how_tuned(ms[0])}"] + list(ms[0].get("eval_ablations", {}))
         for name in names if ms else []:
             got = [m["eval"] for m in ms] if name == names[0] else [m.get("eval_ablations", {}).get(name) for m in ms]
             got = [rows for rows in got if rows]
@@ -144,7 +151,7 @@ def plot_readings(task_dir: Path, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(folders), figsize=(7 * len(folders), 4), squeeze=False)
     for ax, folder in zip(axes[0], folders):
         ms = seed_metrics(folder)
-        named = {"the paper's: fine-tuned with the fixed s": [m["eval"] for m in ms]}
+        named = {f"the paper's: {how_tuned(ms[0])}": [m["eval"] for m in ms]}
         named.update({name: [m["eval_ablations"][name] for m in ms] for name in ms[0].get("eval_ablations", {})})
         for name, runs in named.items():
             lengths = [r["length"] for r in runs[0]]

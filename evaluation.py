@@ -25,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,14 @@ def glob_stored(folder: Path, pattern: str) -> list[Path]:
     """folder.glob(pattern), files stored gzipped included under their plain names, sorted."""
     packed = (p.with_name(p.name[:-3]) for p in Path(folder).glob(pattern + ".gz"))
     return sorted({*Path(folder).glob(pattern), *packed})
+
+
+def checkpoint_losses(saved) -> list:
+    """A checkpoint's loss history as [[step, loss], ...]: train.py saves it as one (N, 2) float32 tensor;
+    checkpoints written before hold it pickled, or as the list itself."""
+    if torch.is_tensor(saved):
+        return [[int(step), loss] for step, loss in saved.tolist()]
+    return pickle.loads(saved) if isinstance(saved, bytes) else saved
 
 
 def read_metrics(path: Path, keys) -> dict | None:

@@ -19,7 +19,6 @@ if __name__ == "__main__":   # `python train.py ...`: the command line (cli.py) 
 
 import copy
 import math
-import pickle
 import shutil
 import sys
 import time
@@ -35,7 +34,7 @@ import prism
 import upe
 import vipe
 from examples import relative_bias
-from evaluation import device_name, evaluate, fmt_time, git_hash, save_atomic, summary_line
+from evaluation import checkpoint_losses, device_name, evaluate, fmt_time, git_hash, save_atomic, summary_line
 from model import (Final, SinusoidalAPE, Method, Model, ModelConfig, autocast, baseline, batch_context,
                    largest_logits)
 from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
@@ -114,8 +113,7 @@ class TrainConfig:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to lr * min_lr_ratio; a pure function of the step, so
-    resuming needs no scheduler state."""
+    """Linear warm-up, then cosine decay to lr * min_lr_ratio; a function of the step (resuming keeps no state)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -287,8 +285,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         if device.startswith("cuda") and ckpt.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(ckpt["cuda_rng"])
         step, wall, history, logit_max = ckpt["step"], ckpt["wall"], ckpt.get("history", []), ckpt.get("logit_max", [])
-        timed = ckpt.get("timed", timed)
-        losses = pickle.loads(ckpt["losses"]) if isinstance(ckpt["losses"], bytes) else ckpt["losses"]  # older: a list
+        timed, losses = ckpt.get("timed", timed), checkpoint_losses(ckpt["losses"])
         log(f"resumed {cfg.run_dir()} at step {step}")
     fwd = compiled(model) if cfg.compile else model
     train_step = Step(model, fwd, opt, cfg, task, device)
@@ -298,11 +295,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         f"d={cfg.model.d_model}, {n_params / 1e6:.2f}M params, {cfg.steps} steps x {cfg.batch_size} on {device}"
         + (f", {cfg.workers} data workers" if cfg.workers else "") + (", CUDA graphs" if cfg.graphs else ""))
 
-    def checkpoint():   # the loss history pickled on its own: torch.save is far slower on a long list of lists
-        save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(),
-                     "torch_rng": torch.get_rng_state(), "step": step, "wall": time.time() - t0, "history": history,
-                     "cuda_rng": torch.cuda.get_rng_state() if device.startswith("cuda") else None,
-                     "losses": pickle.dumps(losses), "logit_max": logit_max, "timed": timing()}, cfg.run_dir() / CKPT)
+    def checkpoint(cuda=device.startswith("cuda")):   # the losses as one float32 tensor (8 bytes a step)
+        save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                     "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if cuda else None,
+                     "wall": time.time() - t0, "history": history, "timed": timing(), "logit_max": logit_max,
+                     "losses": torch.tensor(losses, dtype=torch.float32).view(-1, 2)}, cfg.run_dir() / CKPT)
 
     def forked(net, net_opt, during=False):   # method_final over a deep copy of the model (eager) and an optimiser
         net = copy.deepcopy(net)

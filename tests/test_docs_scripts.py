@@ -3,7 +3,6 @@ run (or, for the GPU profiler, its imports and option parsing), so that a change
 method's interface that breaks one of them fails here rather than the next time someone measures."""
 import json
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import torch
 
 import cli
 import train
+from evaluation import checkpoint_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def test_loss_jumps_reads_finished_and_running_runs(tmp_path):
     (row,) = json.loads((tmp_path / "s.json").read_text())
     assert not row["finished"] and row["steps"] == 3 and "run" in out
     ckpt = torch.load(run / train.CKPT, weights_only=False)
-    loss = dict(pickle.loads(ckpt["losses"]))
+    loss = dict(checkpoint_losses(ckpt["losses"]))
     (last_step, logits), = ckpt["logit_max"]             # one checkpoint, at the last step
     assert last_step == 3 and row["intervals"] == [[2, max(loss[1], loss[2]), None], [3, loss[3], max(logits)]]
     assert "to step       3" in out

@@ -344,21 +344,24 @@ def test_resume_gives_the_same_weights(tmp_path, monkeypatch, workers):
     assert same_run(full, part)
 
 
-def test_a_checkpoint_holds_the_loss_history_pickled_and_an_older_list_resumes_alike(tmp_path, monkeypatch):
-    """The checkpoint keeps the loss of every step so far as one pickled bytes object; a checkpoint
-    holding the list itself (as written before) resumes to the same run."""
+@pytest.mark.parametrize("older", [None, "pickled", "list"])
+def test_a_checkpoint_holds_the_loss_history_as_one_tensor_and_older_forms_resume_alike(tmp_path, monkeypatch, older):
+    """The checkpoint keeps [step, loss] of every step so far as one (N, 2) float32 tensor (8 bytes a step);
+    checkpoints written before, holding it pickled or as the list itself, resume to the same run."""
     full = tiny_config(tmp_path / "a", method="ape", ape_shift=8)
     part = tiny_config(tmp_path / "b", method="ape", ape_shift=8)
     real_train = train.train
 
-    def as_older(cfg, resume=False, **kw):        # the resume of interrupt_and_resume: from a list
+    def as_older(cfg, resume=False, **kw):        # the resume of interrupt_and_resume
         if resume:
             path = cfg.run_dir() / train.CKPT
             ckpt = torch.load(path, weights_only=False)
-            assert isinstance(ckpt["losses"], bytes)
-            losses = pickle.loads(ckpt["losses"])
+            saved = ckpt["losses"]
+            assert saved.dtype == torch.float32 and saved.shape == (10, 2)
+            losses = [[int(s), v] for s, v in saved.tolist()]
             assert [s for s, _ in losses] == list(range(1, 11)) and all(math.isfinite(v) for _, v in losses)
-            torch.save({**ckpt, "losses": losses}, path)
+            if older:
+                torch.save({**ckpt, "losses": pickle.dumps(losses) if older == "pickled" else losses}, path)
         return real_train(cfg, resume=resume, **kw)
     monkeypatch.setattr(train, "train", as_older)
     interrupt_and_resume(full, part, monkeypatch)

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from evaluation import read_stored, stored  # noqa: E402
+from evaluation import checkpoint_losses, read_stored, stored  # noqa: E402
 
 
 def settled(losses, window: int):
@@ -64,8 +63,7 @@ def summary(run: Path, every: int = 0, window: int = 1000) -> dict:
         in_dist = sum(exact) / len(exact) if exact else None
     else:
         ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
-        losses, logits, done, in_dist = ckpt["losses"], ckpt.get("logit_max", []), False, None
-        losses = pickle.loads(losses) if isinstance(losses, bytes) else losses   # train.py pickles it on its own
+        losses, logits, done, in_dist = checkpoint_losses(ckpt["losses"]), ckpt.get("logit_max", []), False, None
     first = next((s for s, v in losses if v < 0.01), None)
     after = [(v, s) for s, v in losses if first is not None and s > first]
     peak, at = max(after) if after else (None, None)

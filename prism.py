@@ -168,6 +168,12 @@ def position_scores(gq, gk, alpha):
 
 # ---- the model's path ----------------------------------------------------------------------
 
+# cursor_scores' path: "torch", or "triton" (kernels/prism_scores.py, which holds a histogram in one tile: up to
+# SCORES_KERNEL_BINS bins). Opt-in until its speed against the PyTorch path is measured (docs/perf/prism.md).
+SCORES_BACKEND = "torch"
+SCORES_KERNEL_BINS = 128
+
+
 def cursor_scores(hist, gram, H: int, d: int):
     """Algorithms 2-4 up to the cursor scales, from the histograms: each cursor's <g_q, g_k> / sqrt(O d)
     of the normalised streams. With g = h F (Algorithm 2) every inner product of two streams is one of
@@ -178,10 +184,14 @@ def cursor_scores(hist, gram, H: int, d: int):
     Every block between two position updates reads these with its own alpha (`mix_cursors`)."""
     B, N, T, P = hist.shape
     O = N // (2 * H)
-    hg = hist @ gram                                                      # h F F^T: (B, 2 H O, T, P)
-    sq = (hg * hist).sum(-1).view(B, 2, H, O, T)                          # |g|^2 of each cursor
-    norm = sq.sum(3).clamp(min=1e-12).sqrt()                              # Algorithm 3, over (O, d): (B, 2, H, T)
-    dots = hg[:, :N // 2].view(B, H, O, T, P) @ hist[:, N // 2:].view(B, H, O, T, P).transpose(-1, -2)
+    if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS:
+        from kernels.prism_scores import cursor_dots_triton
+        dots, sq = cursor_dots_triton(hist, gram, H)                      # the same, h G kept in registers
+    else:
+        hg = hist @ gram                                                  # h F F^T: (B, 2 H O, T, P)
+        sq = (hg * hist).sum(-1)                                          # |g|^2 of each cursor
+        dots = hg[:, :N // 2].view(B, H, O, T, P) @ hist[:, N // 2:].view(B, H, O, T, P).transpose(-1, -2)
+    norm = sq.view(B, 2, H, O, T).sum(3).clamp(min=1e-12).sqrt()          # Algorithm 3, over (O, d): (B, 2, H, T)
     return dots * (d / O) ** 0.5 / (norm[:, 0, :, None, :, None] * norm[:, 1, :, None, None, :])
 
 

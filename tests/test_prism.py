@@ -278,12 +278,39 @@ def test_scores_through_the_gram_matrix_are_algorithms_2_to_4():
         assert torch.allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("T, P", [(70, 24), (9, 128)])
+def test_triton_cursor_scores_match_the_pytorch_path(monkeypatch, T, P):
+    """kernels/prism_scores.py (through the interpreter on CPU) against the PyTorch path of cursor_scores: the
+    scores and the gradient of the histograms, for T over two token blocks and P not a power of 2, and for
+    a short T at the most bins the kernel takes. Beyond those bins cursor_scores takes the PyTorch path."""
+    from kernels import prism_scores
+    torch.manual_seed(0)
+    H, O, d = 2, 2, 8
+    table = sinusoid_table(P, d)
+    hist = (3 * torch.randn(2, 2 * H * O, T, P)).softmax(-1).requires_grad_()
+    w = torch.randn(2, H, O, T, T)
+    got = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(prism, "SCORES_BACKEND", backend)
+        scores = cursor_scores(hist, table @ table.T, H, d)
+        got[backend] = (scores.detach(), torch.autograd.grad((scores * w).sum(), hist)[0])
+    for a, b in zip(got["triton"], got["torch"]):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+    assert prism.SCORES_KERNEL_BINS == prism_scores.MAX_BINS
+    monkeypatch.setattr(prism_scores, "cursor_dots_triton", None)            # not called past its bins
+    wide = (3 * torch.randn(1, 2 * H * O, 3, 130)).softmax(-1)
+    table = sinusoid_table(130, d)
+    assert cursor_scores(wide, table @ table.T, H, d).shape == (1, H, O, 3, 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_scores_through_the_gram_matrix_on_cuda_at_the_papers_size():
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_scores_through_the_gram_matrix_on_cuda_at_the_papers_size(monkeypatch, path):
     """The same comparison on the GPU at the paper's size (35 heads x 4 cursors, width 340, 128 reachable
     bins of 256, length 64), where the float32 matrix products run in cuBLAS's own order: relative to the
-    largest value, within 1e-4 (about 2e-6 measured on an H200)."""
+    largest value, within 1e-4 (about 2e-6 measured on an H200), by either path of cursor_scores."""
+    monkeypatch.setattr(prism, "SCORES_BACKEND", path)
     torch.manual_seed(0)
     H, O, T, P, d = 35, 4, 64, 128, 340
     table = sinusoid_table(256, d, device="cuda")[:P]

@@ -16,7 +16,8 @@ evaluation as the run makes it (its test lengths and examples, and its held-out 
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
 alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
---tf32 time PRISM's step with another warp count in its scan or with TF32 products. --tiny shrinks the
+--tf32 time PRISM's step with another warp count in its scan or with TF32 products, --scores-kernel with its
+cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND). --tiny shrinks the
 model: a check that the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-eval", action="store_true", help="leave out (4)")
     p.add_argument("--scan-warps", type=int, help="PRISM: warps per program of the Triton histogram scan")
     p.add_argument("--tf32", action="store_true", help="float32 matrix products in TF32 (PRISM's cursor scores)")
+    p.add_argument("--scores-kernel", action="store_true", help="PRISM: the cursor scores' Triton kernels")
     a = p.parse_args(argv)
     if a.profile_compiled and not a.compile:
         p.error("--profile-compiled profiles the compiled model: add --compile")
@@ -103,6 +105,9 @@ def main(argv=None) -> int:
         from kernels import prism_scan
         prism_scan.WARPS = a.scan_warps
     torch.backends.cuda.matmul.allow_tf32 = a.tf32
+    if a.scores_kernel:
+        import prism
+        prism.SCORES_BACKEND = "triton"
     run = pick(a.experiment, a.budget, a.task, a.label)
     cfg = config(run, device, a.tiny, a.compile)
     task = TASKS[cfg.task]
@@ -169,6 +174,7 @@ def main(argv=None) -> int:
 
     numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
                    compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
+                   scores_kernel=a.scores_kernel,
                    device=where, batch=cfg.batch_size, length=length, steps_per_s=rate, eager_busy_ms=busy,
                    eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top, git=train.git_hash())
     if not a.no_eval:

@@ -1,0 +1,129 @@
+"""Triton kernels for PRISM's cursor scores before their normalisation (prism.cursor_scores), forward and
+backward, without forming h G in memory.
+
+For each pair of a query cursor and its key cursor (one batch row, head and cursor), with h_q, h_k their
+histograms (T, P) and G = F F^T (P, P) the sinusoid table's Gram matrix (symmetric):
+
+    dots = (h_q G) h_k^T                                   (T, T)   the cursor's <g_q, g_k>, g = h F
+    sq_q = rowsum((h_q G) * h_q),  sq_k = rowsum((h_k G) * h_k)     (T)  each |g|^2
+
+and back, from ddots (T, T) and dsq_q, dsq_k (T), as d(h G h'^T)/dh = h' G and d(h G h^T)/dh = 2 h G:
+
+    dh_q = (ddots h_k + 2 dsq_q h_q) G          dh_k = (ddots^T h_q + 2 dsq_k h_k) G
+
+The PyTorch path forms h G for every cursor, (B, 2 H O, T, P) float32, writes it and reads it back forward
+and backward, and its gradient as well; here it lives in registers, one block of BT tokens at a time. One
+program per (pair, block of tokens): forward, its query rows of dots (looping over the key blocks) and the
+squared norms of its tokens on both sides; backward, dh_q and dh_k of its tokens (looping over the other side's
+blocks). The whole P-bin histogram is one tile, so P <= 128 (prism.cursor_scores takes the PyTorch path above).
+Products in TF32 where torch.backends.cuda.matmul.allow_tf32 is set (as PyTorch's), otherwise in float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BINS = 128
+
+
+@triton.jit
+def _fwd(HIST, G, DOTS, SQ, T, P, HO, BT: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    pair, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, c = pair // HO, pair % HO
+    q_base = HIST + (b * 2 * HO + c) * T * P                    # hist (B, 2 H O, T, P): query cursors first
+    k_base = HIST + (b * 2 * HO + HO + c) * T * P
+    rt = blk * BT + tl.arange(0, BT)
+    rp = tl.arange(0, BP)
+    g = tl.load(G + rp[:, None] * P + rp[None, :], mask=(rp[:, None] < P) & (rp[None, :] < P), other=0.0)
+    tile = (rt[:, None] < T) & (rp[None, :] < P)
+    h_q = tl.load(q_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)      # (BT, BP)
+    h_k = tl.load(k_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)
+    hg_q = tl.dot(h_q, g, input_precision=PREC)
+    hg_k = tl.dot(h_k, g, input_precision=PREC)
+    tl.store(SQ + (b * 2 * HO + c) * T + rt, tl.sum(hg_q * h_q, 1), mask=rt < T)
+    tl.store(SQ + (b * 2 * HO + HO + c) * T + rt, tl.sum(hg_k * h_k, 1), mask=rt < T)
+    for start in range(0, T, BT):                                # the key blocks
+        rs = start + tl.arange(0, BT)
+        other = tl.load(k_base + rs[:, None] * P + rp[None, :], mask=(rs[:, None] < T) & (rp[None, :] < P),
+                        other=0.0)
+        dots = tl.dot(hg_q, tl.trans(other), input_precision=PREC)                  # (BT, BT)
+        tl.store(DOTS + pair * T * T + rt[:, None] * T + rs[None, :], dots, mask=(rt[:, None] < T) & (rs[None, :] < T))
+
+
+@triton.jit
+def _bwd(HIST, G, DDOTS, DSQ, DHIST, T, P, HO, BT: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    pair, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, c = pair // HO, pair % HO
+    q_row, k_row = b * 2 * HO + c, b * 2 * HO + HO + c
+    rt = blk * BT + tl.arange(0, BT)
+    rp = tl.arange(0, BP)
+    g = tl.load(G + rp[:, None] * P + rp[None, :], mask=(rp[:, None] < P) & (rp[None, :] < P), other=0.0)
+    tile = (rt[:, None] < T) & (rp[None, :] < P)
+    for side in tl.static_range(2):                              # dh_q of these tokens, then dh_k
+        if side == 0:
+            own, far = q_row, k_row
+        else:
+            own, far = k_row, q_row
+        h = tl.load(HIST + own * T * P + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)
+        dsq = tl.load(DSQ + own * T + rt, mask=rt < T, other=0.0)
+        acc = 2.0 * dsq[:, None] * h                                                 # (BT, BP)
+        for start in range(0, T, BT):                            # the other side's blocks
+            rs = start + tl.arange(0, BT)
+            h_far = tl.load(HIST + far * T * P + rs[:, None] * P + rp[None, :],
+                            mask=(rs[:, None] < T) & (rp[None, :] < P), other=0.0)
+            if side == 0:                                        # ddots[t, s], t ours: ddots h_k
+                d = tl.load(DDOTS + pair * T * T + rt[:, None] * T + rs[None, :],
+                            mask=(rt[:, None] < T) & (rs[None, :] < T), other=0.0)
+            else:                                                # ddots[s, t], t ours: ddots^T h_q
+                d = tl.load(DDOTS + pair * T * T + rs[None, :] * T + rt[:, None],
+                            mask=(rt[:, None] < T) & (rs[None, :] < T), other=0.0)
+            acc += tl.dot(d, h_far, input_precision=PREC)
+        dh = tl.dot(acc, g, input_precision=PREC)
+        tl.store(DHIST + own * T * P + rt[:, None] * P + rp[None, :], dh, mask=tile)
+
+
+def _blocks(T: int, P: int) -> tuple[int, int]:
+    return min(64, max(16, triton.next_power_of_2(T))), max(16, triton.next_power_of_2(P))
+
+
+def _precision() -> str:
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+class CursorDots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hist, gram, HO: int):
+        B, N, T, P = hist.shape
+        BT, BP = _blocks(T, P)
+        dots = torch.empty(B * HO, T, T, device=hist.device, dtype=torch.float32)
+        sq = torch.empty(B, N, T, device=hist.device, dtype=torch.float32)
+        _fwd[(B * HO, triton.cdiv(T, BT))](hist, gram, dots, sq, T, P, HO, BT=BT, BP=BP, PREC=_precision())
+        ctx.save_for_backward(hist, gram)
+        ctx.HO = HO
+        return dots, sq
+
+    @staticmethod
+    def backward(ctx, ddots, dsq):
+        hist, gram = ctx.saved_tensors
+        B, N, T, P = hist.shape
+        BT, BP = _blocks(T, P)
+        ddots = torch.zeros(B * ctx.HO, T, T, device=hist.device) if ddots is None else ddots.float().contiguous()
+        dsq = torch.zeros_like(hist[..., 0]) if dsq is None else dsq.float().contiguous()
+        dhist = torch.empty_like(hist)
+        _bwd[(B * ctx.HO, triton.cdiv(T, BT))](hist, gram, ddots, dsq, dhist, T, P, ctx.HO, BT=BT, BP=BP,
+                                               PREC=_precision())
+        return dhist, None, None
+
+
+@torch.compiler.disable   # --compile: one call of the kernels, as the histogram scan's
+def cursor_dots_triton(hist, gram, H: int):
+    """hist (B, 2 H O, T, P) float32, the query cursors then the key cursors; gram (P, P) symmetric, P <= MAX_BINS
+    -> dots (B, H, O, T, T) = each cursor pair's (h_q G) h_k^T, and sq (B, 2 H O, T) = each cursor's h G h^T.
+    No gradient flows to gram (a fixed table)."""
+    B, N, T, P = hist.shape
+    if P > MAX_BINS:
+        raise ValueError(f"the Triton cursor scores take at most {MAX_BINS} bins, got {P}")
+    HO = N // 2
+    dots, sq = CursorDots.apply(hist.float().contiguous(), gram.float().contiguous(), HO)
+    return dots.view(B, H, HO // H, T, T), sq

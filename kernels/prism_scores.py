@@ -37,12 +37,11 @@ def _fwd(HIST, G, DOTS, SQ, T, P, HO, BT: tl.constexpr, BP: tl.constexpr, PREC: 
     rp = tl.arange(0, BP)
     g = tl.load(G + rp[:, None] * P + rp[None, :], mask=(rp[:, None] < P) & (rp[None, :] < P), other=0.0)
     tile = (rt[:, None] < T) & (rp[None, :] < P)
-    h_q = tl.load(q_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)      # (BT, BP)
-    h_k = tl.load(k_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)
+    h_k = tl.load(k_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)      # (BT, BP)
+    tl.store(SQ + (b * 2 * HO + HO + c) * T + rt, tl.sum(tl.dot(h_k, g, input_precision=PREC) * h_k, 1), mask=rt < T)
+    h_q = tl.load(q_base + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)
     hg_q = tl.dot(h_q, g, input_precision=PREC)
-    hg_k = tl.dot(h_k, g, input_precision=PREC)
     tl.store(SQ + (b * 2 * HO + c) * T + rt, tl.sum(hg_q * h_q, 1), mask=rt < T)
-    tl.store(SQ + (b * 2 * HO + HO + c) * T + rt, tl.sum(hg_k * h_k, 1), mask=rt < T)
     for start in range(0, T, BT):                                # the key blocks
         rs = start + tl.arange(0, BT)
         other = tl.load(k_base + rs[:, None] * P + rp[None, :], mask=(rs[:, None] < T) & (rp[None, :] < P),
@@ -87,6 +86,9 @@ def _blocks(T: int, P: int) -> tuple[int, int]:
     return min(64, max(16, triton.next_power_of_2(T))), max(16, triton.next_power_of_2(P))
 
 
+WARPS = 8   # warps a program: it holds G (up to 128 x 128 float32) and a few (64, 128) tiles at once
+
+
 def _precision() -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
@@ -98,7 +100,8 @@ class CursorDots(torch.autograd.Function):
         BT, BP = _blocks(T, P)
         dots = torch.empty(B * HO, T, T, device=hist.device, dtype=torch.float32)
         sq = torch.empty(B, N, T, device=hist.device, dtype=torch.float32)
-        _fwd[(B * HO, triton.cdiv(T, BT))](hist, gram, dots, sq, T, P, HO, BT=BT, BP=BP, PREC=_precision())
+        _fwd[(B * HO, triton.cdiv(T, BT))](hist, gram, dots, sq, T, P, HO, BT=BT, BP=BP, PREC=_precision(),
+                                               num_warps=WARPS)
         ctx.save_for_backward(hist, gram)
         ctx.HO = HO
         return dots, sq
@@ -112,7 +115,7 @@ class CursorDots(torch.autograd.Function):
         dsq = torch.zeros_like(hist[..., 0]) if dsq is None else dsq.float().contiguous()
         dhist = torch.empty_like(hist)
         _bwd[(B * ctx.HO, triton.cdiv(T, BT))](hist, gram, ddots, dsq, dhist, T, P, ctx.HO, BT=BT, BP=BP,
-                                               PREC=_precision())
+                                               PREC=_precision(), num_warps=WARPS)
         return dhist, None, None
 
 

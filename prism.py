@@ -168,8 +168,9 @@ def position_scores(gq, gk, alpha):
 
 # ---- the model's path ----------------------------------------------------------------------
 
-# cursor_scores' path: "torch", or "triton" (kernels/prism_scores.py, which holds a histogram in one tile: up to
-# SCORES_KERNEL_BINS bins). Opt-in until its speed against the PyTorch path is measured (docs/perf/prism.md).
+# cursor_scores' path: "torch", or "triton": kernels/prism_scores.py, which holds a histogram in one tile (up to
+# SCORES_KERNEL_BINS bins) and on a GPU computes in TF32, so it is taken there under --tf32 alone. Opt-in until its
+# speed against the PyTorch path is measured (docs/perf/prism.md).
 SCORES_BACKEND = "torch"
 SCORES_KERNEL_BINS = 128
 
@@ -184,7 +185,8 @@ def cursor_scores(hist, gram, H: int, d: int):
     Every block between two position updates reads these with its own alpha (`mix_cursors`)."""
     B, N, T, P = hist.shape
     O = N // (2 * H)
-    if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS:
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or not hist.is_cuda     # the interpreter: float32
+    if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS and tf32:
         from kernels.prism_scores import cursor_dots_triton
         dots, sq = cursor_dots_triton(hist, gram, H)                      # the same, h G kept in registers
     else:

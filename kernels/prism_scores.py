@@ -14,9 +14,10 @@ and back, from ddots (T, T) and dsq_q, dsq_k (T), as d(h G h'^T)/dh = h' G and d
 The PyTorch path forms h G for every cursor, (B, 2 H O, T, P) float32, writes it and reads it back forward
 and backward, and its gradient as well; here it lives in registers, one block of BT tokens at a time. One
 program per (pair, block of tokens): forward, its query rows of dots (looping over the key blocks) and the
-squared norms of its tokens on both sides; backward, dh_q and dh_k of its tokens (looping over the other side's
-blocks). The whole P-bin histogram is one tile, so P <= 128 (prism.cursor_scores takes the PyTorch path above).
-Products in TF32 where torch.backends.cuda.matmul.allow_tf32 is set (as PyTorch's), otherwise in float32.
+squared norms of its tokens on both sides; backward, dh_q or dh_k of its tokens (a program per side, looping
+over the other side's blocks). The whole P-bin histogram is one tile, so P <= MAX_BINS (prism.cursor_scores
+takes the PyTorch path above). On a GPU the products are TF32 (as PyTorch's under --tf32; float32 products
+of 128 x 128 tiles would spill registers); through the interpreter they are float32.
 """
 from __future__ import annotations
 
@@ -52,45 +53,37 @@ def _fwd(HIST, G, DOTS, SQ, T, P, HO, BT: tl.constexpr, BP: tl.constexpr, PREC: 
 
 @triton.jit
 def _bwd(HIST, G, DDOTS, DSQ, DHIST, T, P, HO, BT: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    pair, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    pair, blk, side = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)   # side 0: dh_q, 1: dh_k
     b, c = pair // HO, pair % HO
-    q_row, k_row = b * 2 * HO + c, b * 2 * HO + HO + c
+    own = b * 2 * HO + c + side * HO                            # the cursor whose gradient this program writes
+    far = b * 2 * HO + c + (1 - side) * HO                      # the other side of its pair
+    st, ss = (T - side * (T - 1)), (1 + side * (T - 1))         # ddots[t, s] (side 0) or ddots[s, t] (side 1)
     rt = blk * BT + tl.arange(0, BT)
     rp = tl.arange(0, BP)
-    g = tl.load(G + rp[:, None] * P + rp[None, :], mask=(rp[:, None] < P) & (rp[None, :] < P), other=0.0)
     tile = (rt[:, None] < T) & (rp[None, :] < P)
-    for side in tl.static_range(2):                              # dh_q of these tokens, then dh_k
-        if side == 0:
-            own, far = q_row, k_row
-        else:
-            own, far = k_row, q_row
-        h = tl.load(HIST + own * T * P + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)
-        dsq = tl.load(DSQ + own * T + rt, mask=rt < T, other=0.0)
-        acc = 2.0 * dsq[:, None] * h                                                 # (BT, BP)
-        for start in range(0, T, BT):                            # the other side's blocks
-            rs = start + tl.arange(0, BT)
-            h_far = tl.load(HIST + far * T * P + rs[:, None] * P + rp[None, :],
-                            mask=(rs[:, None] < T) & (rp[None, :] < P), other=0.0)
-            if side == 0:                                        # ddots[t, s], t ours: ddots h_k
-                d = tl.load(DDOTS + pair * T * T + rt[:, None] * T + rs[None, :],
-                            mask=(rt[:, None] < T) & (rs[None, :] < T), other=0.0)
-            else:                                                # ddots[s, t], t ours: ddots^T h_q
-                d = tl.load(DDOTS + pair * T * T + rs[None, :] * T + rt[:, None],
-                            mask=(rt[:, None] < T) & (rs[None, :] < T), other=0.0)
-            acc += tl.dot(d, h_far, input_precision=PREC)
-        dh = tl.dot(acc, g, input_precision=PREC)
-        tl.store(DHIST + own * T * P + rt[:, None] * P + rp[None, :], dh, mask=tile)
+    h = tl.load(HIST + own * T * P + rt[:, None] * P + rp[None, :], mask=tile, other=0.0)        # (BT, BP)
+    dsq = tl.load(DSQ + own * T + rt, mask=rt < T, other=0.0)
+    acc = 2.0 * dsq[:, None] * h
+    for start in range(0, T, BT):                                # the other side's blocks
+        rs = start + tl.arange(0, BT)
+        h_far = tl.load(HIST + far * T * P + rs[:, None] * P + rp[None, :], mask=(rs[:, None] < T) & (rp[None, :] < P),
+                        other=0.0)
+        d = tl.load(DDOTS + pair * T * T + rt[:, None] * st + rs[None, :] * ss,
+                    mask=(rt[:, None] < T) & (rs[None, :] < T), other=0.0)                 # (BT, BT)
+        acc += tl.dot(d, h_far, input_precision=PREC)
+    g = tl.load(G + rp[:, None] * P + rp[None, :], mask=(rp[:, None] < P) & (rp[None, :] < P), other=0.0)
+    tl.store(DHIST + own * T * P + rt[:, None] * P + rp[None, :], tl.dot(acc, g, input_precision=PREC), mask=tile)
 
 
 def _blocks(T: int, P: int) -> tuple[int, int]:
     return min(64, max(16, triton.next_power_of_2(T))), max(16, triton.next_power_of_2(P))
 
 
-WARPS = 8   # warps a program: it holds G (up to 128 x 128 float32) and a few (64, 128) tiles at once
+WARPS, STAGES = 8, 1   # where both kernels compile for sm_90 without spilled registers (docs/perf/prism.md)
 
 
-def _precision() -> str:
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def _precision(x) -> str:
+    return "tf32" if x.is_cuda else "ieee"
 
 
 class CursorDots(torch.autograd.Function):
@@ -100,8 +93,8 @@ class CursorDots(torch.autograd.Function):
         BT, BP = _blocks(T, P)
         dots = torch.empty(B * HO, T, T, device=hist.device, dtype=torch.float32)
         sq = torch.empty(B, N, T, device=hist.device, dtype=torch.float32)
-        _fwd[(B * HO, triton.cdiv(T, BT))](hist, gram, dots, sq, T, P, HO, BT=BT, BP=BP, PREC=_precision(),
-                                               num_warps=WARPS)
+        _fwd[(B * HO, triton.cdiv(T, BT))](hist, gram, dots, sq, T, P, HO, BT=BT, BP=BP, PREC=_precision(hist),
+                                               num_warps=WARPS, num_stages=STAGES)
         ctx.save_for_backward(hist, gram)
         ctx.HO = HO
         return dots, sq
@@ -114,8 +107,8 @@ class CursorDots(torch.autograd.Function):
         ddots = torch.zeros(B * ctx.HO, T, T, device=hist.device) if ddots is None else ddots.float().contiguous()
         dsq = torch.zeros_like(hist[..., 0]) if dsq is None else dsq.float().contiguous()
         dhist = torch.empty_like(hist)
-        _bwd[(B * ctx.HO, triton.cdiv(T, BT))](hist, gram, ddots, dsq, dhist, T, P, ctx.HO, BT=BT, BP=BP,
-                                               PREC=_precision(), num_warps=WARPS)
+        _bwd[(B * ctx.HO, triton.cdiv(T, BT), 2)](hist, gram, ddots, dsq, dhist, T, P, ctx.HO, BT=BT, BP=BP,
+                                               PREC=_precision(hist), num_warps=WARPS, num_stages=STAGES)
         return dhist, None, None
 
 

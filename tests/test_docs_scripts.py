@@ -436,7 +436,10 @@ def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tm
     assert any(line.startswith("| vipe-L2-s2 |") for line in text.splitlines())
 
     # the paper's setup with s = 3 and s = 2 (--full), at the same tiny size: --readings gives each reading's row
-    full = vh.FULL.format(task="parity", seeds="0", jobs=1, out=str(tmp_path / "full")).split()[2:]
+    ramp = vh.FULL.format(task="parity", seeds="0", jobs=1, out="runs", tag="ramp", finetune=vh.FINETUNE["ramp"])
+    assert "--tag L2-full-ramp --method-opt vipe_finetune=1000 --method-opt vipe_ramp=true" in ramp
+    full = vh.FULL.format(task="parity", seeds="0", jobs=1, out=str(tmp_path / "full"), tag="s2also",
+                          finetune=vh.FINETUNE["s2also"]).split()[2:]
     full = [a.replace("vipe_finetune=200", "vipe_finetune=2") for a in full]
     drop = {"--preset", "--device", "--steps", "--n-eval", "--train-set", "--workers", "--compile"}
     full = [a for i, a in enumerate(full) if a not in drop and (i == 0 or full[i - 1] not in drop - {"--compile"})]
@@ -485,3 +488,15 @@ def test_compact_results_thins_curves_and_keeps_every_evaluation(tmp_path):
     from evaluation import read_stored
     back = json.loads(read_stored(tmp_path / "run" / "metrics.json"))
     assert back["eval"] == rows and len(back["loss"]) <= 201
+
+
+def test_sm90_resources_compiles_each_launch_of_a_call_for_the_gpu():
+    """The cursor scores' two kernels at a small shape, recorded through the interpreter and compiled for sm_90:
+    each line names the kernel, its constexprs and launch settings, and a register count and shared memory a
+    compiler gives (at most 255 registers a thread, some shared memory for the products)."""
+    out = script("sm90_resources.py", "prism_scores", "--length", 20, "--bins", 32)
+    lines = [line for line in out.splitlines() if line.startswith("kernels.prism_scores.")]
+    assert [line.split(" [")[0] for line in lines] == ["kernels.prism_scores._fwd", "kernels.prism_scores._bwd"]
+    for line in lines:
+        regs, shared = re.search(r": (\d+) registers, spills \d+ / \d+ bytes .*, (\d+) bytes shared", line).groups()
+        assert "BT=32, BP=32, PREC=tf32; 8 warps, 1 stages" in line and 0 < int(regs) <= 255 and int(shared) > 0

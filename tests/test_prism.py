@@ -303,6 +303,29 @@ def test_triton_cursor_scores_match_the_pytorch_path(monkeypatch, T, P):
     assert cursor_scores(wide, table @ table.T, H, d).shape == (1, H, O, 3, 3)
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_model_with_the_triton_cursor_scores_trains_as_with_the_pytorch_path(monkeypatch, copy):
+    """The whole PRISM model (two position streams, reachable bins of a wider histogram, with and without the
+    copy branch): its loss and every parameter's gradient are those of the PyTorch path, with the cursor scores
+    from kernels/prism_scores.py through the interpreter."""
+    from kernels import prism_scores
+    calls, real = [], prism_scores.cursor_dots_triton
+    monkeypatch.setattr(prism_scores, "cursor_dots_triton", lambda *a: calls.append(1) or real(*a))
+    cfg = prism_cfg(prism_bins=64, prism_blocks=[0, 1], prism_copy=copy)
+    x = torch.randint(0, 10, (2, 21))
+    got = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setattr(prism, "SCORES_BACKEND", path)
+        torch.manual_seed(0)
+        model = Model(cfg, PRISM)
+        loss = model(x).float().logsumexp(-1).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        got[path] = [loss.detach()] + [g for g in grads if g is not None]
+    assert len(got["torch"]) == len(got["triton"]) > 10 and len(calls) == 2             # a call per stream
+    for a, b in zip(got["triton"], got["torch"]):
+        assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path, tf32, tol", [("torch", False, 1e-4), ("torch", True, 5e-3), ("triton", True, 5e-3)])

@@ -185,8 +185,9 @@ def cursor_scores(hist, gram, H: int, d: int):
     Every block between two position updates reads these with its own alpha (`mix_cursors`)."""
     B, N, T, P = hist.shape
     O = N // (2 * H)
-    tf32 = torch.backends.cuda.matmul.allow_tf32 or not hist.is_cuda     # the interpreter: float32
-    if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS and tf32:
+    # the kernels' products: TF32 on a GPU, taken there under --tf32 alone; float32 through the interpreter
+    precision_ok = torch.backends.cuda.matmul.allow_tf32 or not hist.is_cuda
+    if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS and precision_ok:
         from kernels.prism_scores import cursor_dots_triton
         dots, sq = cursor_dots_triton(hist, gram, H)                      # the same, h G kept in registers
     else:

@@ -3,6 +3,7 @@
 
     python docs/perf/sm90_resources.py prism_scores                  # PRISM's cursor scores, a training shape
     python docs/perf/sm90_resources.py path --head-dim 128 --length 256 --triton DIR
+    python docs/perf/sm90_resources.py prism_scan | upe --head-dim 96
 
 The call runs through Triton's interpreter with every launch recorded and skipped (so the shapes, not the
 values, matter: big shapes cost nothing). Each distinct launch (kernel, argument types, constexprs, warps,
@@ -38,7 +39,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 SHARED_MAX = 232448                               # bytes of shared memory a block may take on sm_90
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
-         torch.int32: "*i32", torch.bool: "*i1", torch.uint8: "*u8"}
+         torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1", torch.uint8: "*u8"}
 
 
 def record(call) -> list[tuple]:
@@ -143,7 +144,23 @@ def path_call(a):
     out.float().sum().backward()
 
 
-CALLS = {"prism_scores": prism_scores_call, "path": path_call}
+def prism_scan_call(a):
+    from kernels.prism_scan import histogram_scan_triton
+    gates = [torch.rand(a.batch, 280, a.length, requires_grad=True) for _ in range(4)]     # 35 heads x 4 cursors
+    gamma = torch.full((a.batch, 280), 2.0, requires_grad=True)
+    histogram_scan_triton(*gates, gamma, a.bins).sum().backward()
+
+
+def upe_call(a):
+    from kernels.upe_attention import upe_attention_triton
+    B, H, T, D, K = a.batch, 8, a.length, a.head_dim, 16
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    rel, uni = torch.randn(H, 2 * K + 1, D, requires_grad=True), torch.randn(H, 4, D, requires_grad=True)
+    slot = torch.randint(-1, 4, (B, T))
+    upe_attention_triton(q, k, v, rel, uni, slot).float().sum().backward()
+
+
+CALLS = {"prism_scores": prism_scores_call, "prism_scan": prism_scan_call, "path": path_call, "upe": upe_call}
 
 
 def main(argv=None) -> int:

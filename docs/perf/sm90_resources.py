@@ -119,7 +119,8 @@ def report(spec: dict) -> str:
     shown = ", ".join(f"{k}={v}" for k, v in spec["consts"].items() if v is not None)
     warn = "  (more shared memory than sm_90 has)" if r["shared"] > SHARED_MAX else ""
     o = spec["options"]
-    return (f"{spec['module']}.{spec['name']} [{shown}; {o.get('num_warps', 4)} warps, {o.get('num_stages', 3)} stages]: "
+    return (f"{spec['module']}.{spec['name']} [{shown}; {o.get('num_warps', 4)} warps, "
+            f"{o.get('num_stages', 3)} stages]: "
             f"{r['registers']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes (stores / loads), "
             f"{r['shared']} bytes shared{warn}")
 
@@ -189,8 +190,8 @@ def main(argv=None) -> int:
         path = Path(tmp) / "launches.json"
         path.write_text(json.dumps(specs(record(lambda: CALLS[a.call](a)))))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join([*([a.triton] if a.triton else []), str(Path(__file__).resolve().parents[2]),
-                                             env.get("PYTHONPATH", "")])
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([*([a.triton] if a.triton else []), root, env.get("PYTHONPATH", "")])
         return subprocess.run([sys.executable, __file__, "--compile", str(path)], env=env).returncode
 
 

@@ -30,8 +30,8 @@ The best of these at the paper's own setup (`--full`): ViPE-L2 as `--reproduce v
 (256k steps, constant rate, the paper's fixed set of 32,768 sequences), seeds 0, 42 and 123, with
 vipe_s_also=2: the paper's fine-tuning and test with s = 3, and with s = 2 on a copy of the same trained model.
 With `--ramp` the two fine-tunings take 1000 steps with s rising linearly from 1 to 3 (and to 2 on the copy)
-instead of the paper's 200 at the fixed s (vipe_ramp). `--readings` tables each reading of such runs: the paper's, the one with the second s, and the three rules on
-the model as trained.
+instead of the paper's 200 at the fixed s (vipe_ramp). `--readings` tables each reading of such runs: the
+paper's, the one with the second s, and the three rules on the model as trained.
 """
 from __future__ import annotations
 

@@ -394,8 +394,10 @@ MPS_COST = ("the runs sharing a GPU take turns on it instead (measured on an H10
 def mps_daemon(folder: Path, gpus: list[str], log=print):
     """CUDA MPS for the duration of the block, so that the kernels of the processes sharing a GPU run
     side by side instead of taking turns. Starts `nvidia-cuda-mps-control -f` on `gpus` (this process's
-    CUDA_VISIBLE_DEVICES) with its pipe and log folders under `folder` (the pipe in /tmp when that path
-    is too long for a socket), points the processes started in the block at it through
+    CUDA_VISIBLE_DEVICES) with its pipe and log folders in `folder`/<this process's id> (the pipe in /tmp
+    when that path is too long for a socket): a folder of its own, so that two commands writing to one
+    output folder at once each talk to their own daemon, and one that ends leaves the other's daemon and
+    runs alone. Points the processes started in the block at it through
     CUDA_MPS_PIPE_DIRECTORY, and on leaving, however the block ends (Ctrl-C too), asks it to quit and
     ends it: nothing is left running. Its clients see the daemon's GPUs numbered from 0 (GPUs "2,3"
     are "0,1" to them), so the block's CUDA_VISIBLE_DEVICES is that numbering and the block receives
@@ -411,7 +413,7 @@ def mps_daemon(folder: Path, gpus: list[str], log=print):
         log(f"MPS: {MPS_CONTROL} not found; {MPS_COST}")
         yield
         return
-    pipe, logs = folder / "pipe", folder / "log"
+    pipe, logs = folder / str(os.getpid()) / "pipe", folder / str(os.getpid()) / "log"
     logs.mkdir(parents=True, exist_ok=True)
     if len(str(pipe.resolve())) > 80:                 # the daemon's sockets live in it (108-byte paths)
         pipe = Path(tempfile.mkdtemp(prefix="mps-"))

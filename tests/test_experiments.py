@@ -4,6 +4,7 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -779,7 +780,8 @@ FAKE_MPS = """#!/bin/sh
 d="$CUDA_MPS_PIPE_DIRECTORY"
 if [ "$1" = "-f" ]; then
   [ -n "$FAKE_MPS_FAIL" ] && { echo "$FAKE_MPS_FAIL"; exit 1; }
-  echo $$ > "$d/pid"; echo "$CUDA_VISIBLE_DEVICES" > "$d/visible"; : > "$d/control"
+  echo $$ > "$CUDA_MPS_LOG_DIRECTORY/pid"; echo "$CUDA_VISIBLE_DEVICES" > "$CUDA_MPS_LOG_DIRECTORY/visible"
+  : > "$d/control"
   while [ ! -e "$d/quit" ]; do sleep 0.05; done
   rm -f "$d/control"; exit 0
 fi
@@ -823,7 +825,7 @@ def test_jobs_sharing_a_gpu_run_under_an_mps_daemon_that_ends_with_the_command(c
     assert code == 0 and "MPS: daemon started" in stdout, stdout
     for log in (tmp_path / "runs").glob("copy/*/seed0/train.log"):
         assert "under CUDA MPS" in log.read_text()
-    pid = int((tmp_path / "runs" / ".mps" / "pipe" / "pid").read_text())
+    pid = int((tmp_path / "runs" / ".mps" / str(os.getpid()) / "log" / "pid").read_text())
     assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
 
 
@@ -841,7 +843,7 @@ def test_jobs_under_mps_name_the_gpus_as_the_daemon_numbers_them(capsys, tmp_pat
     out = tmp_path / "runs"
     code, stdout, _ = run_cli(capsys, *TINY_JOBS[:-1], str(2 * len(gpus) + 1), "--seeds", "0,1", "--out", str(out))
     assert code == 0 and "MPS: daemon started" in stdout, stdout
-    assert (out / ".mps" / "pipe" / "visible").read_text().strip() == visible
+    assert (out / ".mps" / str(os.getpid()) / "log" / "visible").read_text().strip() == visible
     seen = {re.search(r"CUDA_VISIBLE_DEVICES=(\S+),", log.read_text()).group(1)
             for log in out.glob("copy/*/seed*/train.log")}
     assert seen and seen <= {str(i) for i in range(len(gpus))}      # which process took which run may vary
@@ -856,12 +858,30 @@ def test_mps_daemon_is_ended_on_ctrl_c_and_when_it_ignores_quit(tmp_path, monkey
     lines = []
     with pytest.raises(KeyboardInterrupt):
         with jobs.mps_daemon(tmp_path / "out" / ".mps", ["0"], log=lines.append):
-            assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str((tmp_path / "out" / ".mps" / "pipe").resolve())
-            pid = int((tmp_path / "out" / ".mps" / "pipe" / "pid").read_text())
+            assert (Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"]) / "control").exists()
+            pid = int((tmp_path / "out" / ".mps" / str(os.getpid()) / "log" / "pid").read_text())
             assert alive(pid)
             raise KeyboardInterrupt
     assert not alive(pid) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert len(lines) == 2 and lines[1] == "MPS: the daemon had not quit 0.5 s after it was asked to: killed"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")
+def test_two_commands_on_one_output_folder_each_end_only_their_own_mps_daemon(tmp_path, monkeypatch):
+    """Two `--jobs` commands at once writing to one --out (two tasks' runs on one GPU): the one that ends
+    first must leave the other's daemon running, or the other's runs lose their MPS server mid-run."""
+    fake_mps(tmp_path, monkeypatch)
+    folder = tmp_path / "runs" / ".mps"
+    other = ("import sys, jobs; from pathlib import Path\n"
+             "with jobs.mps_daemon(Path(sys.argv[1]), ['0'], log=print): pass")
+    with jobs.mps_daemon(folder, ["0"], log=lambda line: None):
+        pid = int(next(folder.glob("**/pid")).read_text())          # the one daemon so far
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS")}   # a command of its own
+        done = subprocess.run([sys.executable, "-c", other, str(folder)], cwd=Path(jobs.__file__).parent, env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0 and "MPS: daemon started" in done.stdout, done.stdout + done.stderr
+        assert alive(pid)                                    # the other command's daemon has come and gone
+    assert not alive(pid)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")

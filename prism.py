@@ -169,8 +169,8 @@ def position_scores(gq, gk, alpha):
 # ---- the model's path ----------------------------------------------------------------------
 
 # cursor_scores' path: "torch", or "triton": kernels/prism_scores.py, which holds a histogram in one tile (up to
-# SCORES_KERNEL_BINS bins) and on a GPU computes in TF32, so it is taken there under --tf32 alone. Opt-in until its
-# speed against the PyTorch path is measured (docs/perf/prism.md).
+# SCORES_KERNEL_BINS bins) and on a GPU computes in TF32, so it is taken there under --tf32 alone. Opt-in: at the
+# paper-size runs' shapes the compiled PyTorch path is faster (docs/perf/prism.md).
 SCORES_BACKEND = "torch"
 SCORES_KERNEL_BINS = 128
 

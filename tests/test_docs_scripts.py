@@ -318,6 +318,11 @@ def test_vipe_finetune_fine_tunes_and_tests_as_the_loop_does(tmp_path):
     loop = json.loads((ramped / "metrics.json").read_text())["eval"]   # the same run, the loop's ramp
     assert ramp["all at s"]["token"][1] == pytest.approx(token(loop, 20))
     assert ramp["all at s"]["token"][3] == pytest.approx(token(loop, 48))
+    for start, same in ((3, True), (40, False)):          # --data-from: the run's batches from that step on
+        script("vipe_finetune.py", run / train.CKPT, "--schedules", "fixed:10", "--n", 4, "--data-from", start,
+               "--json", tmp_path / "g.json")
+        (g,) = json.loads((tmp_path / "g.json").read_text())
+        assert g["data_from"] == start and (g["schedules"][0]["loss_every_100"] == fixed["loss_every_100"]) == same
 
 
 def test_multi_gpu_sums_each_experiments_commands_and_gives_the_efficiency(tmp_path):

@@ -11,7 +11,10 @@ that fixed s (1-16 too: whether the fine-tuning fit the compressed distances), a
 next to them the checkpoint as it is (s = 1 and s per length).
 
     python docs/perf/vipe_finetune.py runs/parity/vipe/seed0/checkpoint.pt [...] \\
-        [--schedules fixed:200,fixed:1000,ramp:1000] [--n 256] [--json OUT]
+        [--schedules fixed:200,fixed:1000,ramp:1000] [--n 256] [--json OUT] [--data-from STEP]
+
+--data-from STEP fine-tunes on the batches the run would draw from STEP on instead of from the checkpoint's
+step: the same weights and schedule on other data, to see how much of a reading is the fine-tuning's draw.
 
 Run it from the repository root. Results: docs/perf/vipe.md ("Long runs").
 """
@@ -47,7 +50,8 @@ def bands(rows) -> dict:
     return out
 
 
-def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, continued: bool = False) -> dict:
+def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, continued: bool = False,
+          data_from: int | None = None) -> dict:
     cfg, model, step = load(path)
     task = TASKS[cfg.task]
     opt_state = torch.load(path, map_location="cpu", weights_only=False)["opt"]
@@ -60,7 +64,8 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, conti
         sets (every length in one call, as its evaluations draw them)."""
         s = (lambda L: s_max) if rule == "all" else (lambda L: compression(rule, L, top, test_max))
         return bands(evaluate(m, task, lengths, n, cfg.seed, "cpu", cfg.task_opts, s=s, precision="fp32"))
-    out = {"checkpoint": str(path), "step": step, "s": s_max, "n": n, "bands": [f"{a}-{b}" for a, b in BANDS],
+    out = {"checkpoint": str(path), "step": step, "data_from": data_from or step, "s": s_max, "n": n,
+           "bands": [f"{a}-{b}" for a, b in BANDS],
            "as trained, s = 1": test(model, "one"), "as trained, s per length": test(model, "per_length"),
            "schedules": []}
     for schedule, steps in schedules:
@@ -68,7 +73,7 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, conti
         m = copy.deepcopy(model).train()
         opt = train.make_optimizer(m, cfg, "cpu")
         opt.load_state_dict(copy.deepcopy(opt_state))      # its tensors would be shared, and stepped, otherwise
-        here = dataclasses.replace(cfg, steps=step, graphs=False, compile=False)   # data from the checkpoint on
+        here = dataclasses.replace(cfg, steps=data_from or step, graphs=False, compile=False)   # its batches from there
         losses = train.finetune(m, m, opt, here, task, cfg.train_lengths or task.train_lengths, "cpu", {"stop": None},
                                 steps, s_max if schedule == "fixed" else ramp(s_max, steps),  # the loop's vipe_ramp
                                 fresh=not continued)
@@ -92,14 +97,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--continued", action="store_true", help="fine-tune with the checkpoint's Adam state "
                    "(vipe_ft_optim=continued) instead of a fresh AdamW")
+    p.add_argument("--data-from", type=int, help="fine-tune on the run's batches from this step on (default: the "
+                   "checkpoint's step)")
     a = p.parse_args(argv)
+    if a.data_from is not None and a.data_from < 0:
+        p.error(f"--data-from: a step >= 0, got {a.data_from}")
     schedules = [(x.split(":")[0], int(x.split(":")[1])) for x in a.schedules.split(",")]
     if any(name not in ("fixed", "ramp") or steps < 1 for name, steps in schedules):
         p.error(f"--schedules: each is fixed:N or ramp:N with N >= 1, got {a.schedules!r}")
     results = []
     for path in a.checkpoints:
         print(f"{path}:")
-        results.append(study(path, schedules, a.n, continued=a.continued))
+        results.append(study(path, schedules, a.n, continued=a.continued, data_from=a.data_from))
         r = results[-1]
         print(f"  step {r['step']}, exact at {' / '.join(r['bands'])} ({r['n']} per length):")
         exact = lambda b: " / ".join(f"{v:.3f}" for v in b["exact"])    # noqa: E731

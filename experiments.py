@@ -232,6 +232,9 @@ def plot_task(task_dir: Path, only: set[str] | None = None, path: Path | None = 
 # Headline experiments
 # =============================================================================================
 
+QUICK_SEEDS = [0, 1, 2, 3, 4]   # the quick budget's seeds: minutes a run, so five, for the verdict's intervals
+
+
 @dataclass
 class Experiment:
     claim: str                   # the paper's result in words
@@ -312,7 +315,7 @@ def _vipe_checks(task: str, baselines) -> list:
 
 
 def _vipe_experiment(task: str) -> Experiment:
-    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, three seeds; ViPE
+    """One task of the ViPE paper's Figure 6 / 12: seven encodings x 2 and 3 layers, five seeds; ViPE
     tested with the paper's fixed s after a short fine-tuning with it, and the other rules beside."""
     return Experiment(
         claim=f"{task}: train L=1..16, test 17..48, 1 head, d=128, 2 and 3 layers: ViPE keeps high accuracy "
@@ -328,10 +331,10 @@ def _vipe_experiment(task: str) -> Experiment:
                **{f"vipe-L{n}": ["> 0.85 (selection rule)", "high", "high (to ~2x)", "falls", "high", "high (to ~2x)"]
                   for n in (2, 3)}},
         scaled="4k steps x 256 fresh sequences (the paper: 2000 epochs over 32,768 sequences, i.e. 256k steps), "
-               "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 3 seeds (the paper: best of 8 with "
+               "then 200 steps of fine-tuning with s = 48 / 16 for ViPE; 5 seeds (the paper: best of 8 with "
                "in-distribution accuracy > 0.85); one task per experiment so that each fits in about ten minutes; "
                "ViPE-L2/L3 and NoPE-L3 at 16k steps: docs/results/vipe-budget",
-        seeds=[0, 1, 2], select=("best_seed",), checks=_vipe_checks(task, VIPE_METHODS[:-1]),
+        seeds=QUICK_SEEDS, select=("best_seed",), checks=_vipe_checks(task, VIPE_METHODS[:-1]),
         full=dict(runs=[dict(task=task, method=m, tag=f"L{n}", n_layers=n, **VIPE_PAPER, **VIPE_FINETUNE.get(m, {}))
                         for n in (2, 3) for m in ("nope", "vipe")],
                   seeds=VIPE_SEEDS, checks=_vipe_checks(task, ["nope"]),
@@ -506,7 +509,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         paper={"rope": ["6.9", "40.3", "0.01"], "fox": ["8.3", "36.3", "0"], "path": ["0", "0.0001", "0"]},
         scaled="5k steps x 64 sequences for every method (the paper does not state its budget); 256 eval "
                "sequences per setting, so the smallest measurable non-zero error is ~0.03 %",
-        seeds=[0, 1, 2], checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
+        seeds=QUICK_SEEDS, checks=[("flipflop/path", f"flipflop/{m}", c) for m in ("rope", "fox") for c in (0, 1)],
         full=dict(runs=[dict(task="flipflop", method=m, steps=50_000, n_eval=16_384) for m in ("rope", "fox", "path")],
                   seeds=[0, 1, 2], scaled=PATH_FULL.format(steps="50k", batch=64, eval="16,384 test sequences per "
                                                            "setting (smallest non-zero error ~0.0005 %)",
@@ -522,14 +525,14 @@ EXPERIMENTS: dict[str, Experiment] = {
                  ("length 40 token acc", (40, 40), "token")],
         paper={"rope-L4": ["> 0.9", "", ""], "path-L2": ["> 0.9", "", ""]},
         scaled="24k steps x 128 sequences of length 20 at a constant learning rate after warm-up, d=256, 4 heads, "
-               "3 seeds; only the configs the claim compares (PaTH 2 layers, RoPE 2-4), so that twice the steps of "
+               "5 seeds; only the configs the claim compares (PaTH 2 layers, RoPE 2-4), so that twice the steps of "
                "the earlier 12k-step setup over 1-4 layers fit 10 minutes (its runs, with RoPE-L4's loss still "
                "falling: docs/results/a5/quick-12k). Constant, because under a cosine decay to 0.1 over the 24k "
                "steps 4 of 11 PaTH-L2 runs had not made by the end the sudden drop in loss with which a run "
                "learns A5, and every run that made it did so by step 11.6k (docs/results/a5/quick-24k-cosine); "
                "at the constant rate 2 of 8 had not, and two made it later, at 13.8k and 22.3k "
                "(docs/results/a5/quick-constant-seeds)",
-        seeds=[0, 1, 2], sweep=("layers", 0),
+        seeds=QUICK_SEEDS, sweep=("layers", 0),
         checks=[("a5/path-L2", 0.9, 0), (0.9, "a5/rope-L2", 0), (0.9, "a5/rope-L3", 0), ("a5/rope-L4", 0.9, 0)],
         full=dict(runs=[dict(task="a5", method=m, tag=f"L{n}", n_layers=n, steps=40_000, n_eval=2048)
                         for n in (1, 2, 3, 4) for m in ("rope", "path")],
@@ -544,9 +547,9 @@ EXPERIMENTS: dict[str, Experiment] = {
               for n in (1, 2, 3, 4) for m in ("rope", "fox", "path")],
         columns=[("token acc", (384, 384), "token"), ("exact (per sequence)", (384, 384), "exact")],
         paper={},
-        scaled="2k steps x 64 sequences of 384 assignments, 3 seeds (seed 0 run first; the paper trains to "
+        scaled="2k steps x 64 sequences of 384 assignments, 5 seeds (seed 0 run first; the paper trains to "
                "convergence)",
-        seeds=[0, 1, 2], sweep=("N (n-back)", 0),
+        seeds=QUICK_SEEDS, sweep=("N (n-back)", 0),
         checks=[(f"mqrar/path-N{n}", f"mqrar/{m}-N{n}", 0) for n in (2, 3) for m in ("rope", "fox")]
         + [("mqrar/path-N3", 0.9, 0)],
         full=dict(runs=[dict(task="mqrar", method=m, tag=f"N{n}", task_opts={"n_back": n}, steps=12_000, n_eval=1024)
@@ -577,9 +580,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                  ("51-100", (51, 100), "exact")],
         paper={"prism": ["~1.0", "~1.0", "~1.0", "~1.0"], "ape": ["", "fails", "fails", "fails"]},
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum "
-               "compressed into the first half of the steps; 3 seeds, evaluated every 1000 steps for the paper's "
+               "compressed into the first half of the steps; 5 seeds, evaluated every 1000 steps for the paper's "
                "rule (mean of the top 3 evaluations); " + _PRISM_RUNS,
-        seeds=[0, 1, 2], select=("top3",),
+        seeds=QUICK_SEEDS, select=("top3",),
         checks=[("copy/prism", "copy/ape", c) for c in (1, 2, 3)] + [("copy/prism", 0.9, 3)],
         full=_prism_vs_ape_full("copy")),
     "prism-add": Experiment(
@@ -591,7 +594,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 3 "
                "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS
                + "; with the paper's 5 layers: docs/results/prism-add-depth",
-        seeds=[0, 1, 2], select=("top3",),
+        seeds=QUICK_SEEDS, select=("top3",),
         checks=[("add_cot/prism", "add_cot/ape", c) for c in (1, 2)] + [("add_cot/prism", HIGH, c) for c in (1, 2)],
         full=_prism_vs_ape_full("add_cot")),
     "prism-more": Experiment(
@@ -601,7 +604,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         runs=_PRISM_MORE,
         columns=[("up to the training length", "train", "exact"), ("beyond it", "beyond", "exact")],
         paper={},
-        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 3 seeds, "
+        scaled="the GPU preset per task (3k steps; reverse, mul_cot and scan_cot 2k; the paper: 150k; 5 seeds, "
                "seed 0 run first; reverse evaluated on 128 examples per length) with the paper's 5 layers, at "
                "least as many bins as positions, and the copy branch for reverse (trained to 40, tested to 150; "
                "tested to 100 before: docs/results/prism-more-9k), dynamic string copy and SCAN; "
@@ -614,7 +617,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                                                 "in five); bins and blocks as in the quick runs",
                                          steps=PRISM_MORE_FIT + "; mul_cot: "
                                          + PRISM_MORE_NOT_RUN)),
-        seeds=[0, 1, 2],
+        seeds=QUICK_SEEDS,
         checks=[(f"{run['task']}/prism", HIGH, 1) for run in _PRISM_MORE]),
     "upe-add": Experiment(
         claim="Padded addition (width 50), bidirectional encoder, train operands < 10^5: APE fails from 6 digits, "
@@ -627,9 +630,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                "rpe": ["", "generalises", "generalises", "generalises", "generalises", "falls (input format)"]},
         scaled="the paper's model (6 layers, d=768, 8 heads, dropout 0.1, AdamW lr 1e-4, weight decay 1e-4, "
                "batch 64) for 3k steps of fresh sums (192k samples; the paper: 100k samples); RPE clip 64; evaluated every "
-               "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums); 3 seeds (seeds 0 and 1 "
+               "1000 steps for the paper's rule (best checkpoint on held-out 6-8 digit sums); 5 seeds (seeds 0 and 1 "
                "run first); RPE at 14k steps: docs/results/upe-add-budget",
-        seeds=[0, 1, 2], select=("held_out", (6, 8)),
+        seeds=QUICK_SEEDS, select=("held_out", (6, 8)),
         checks=[("add_padded/rpe", "add_padded/ape", c) for c in (1, 2, 3, 4)] + [("add_padded/rpe", HIGH, 4)],
         full=dict(runs=[dict(task="add_padded", method=m, task_opts={"width": 50}, test_lengths=list(range(1, 51)),
                              steps=30_000, train_set=100_000, eval_every=1000, held_out_lengths=[6, 7, 8],
@@ -649,11 +652,11 @@ EXPERIMENTS: dict[str, Experiment] = {
                  ("k=16", (16, 16), "exact"), ("k=17-20", (17, 20), "exact")],
         paper={"upe-m3": ["", "", "", "~90 % of its accuracy in training", ""], "rpe-m3": ["", "", "", "degrades", ""],
                "ape-m3": ["", "fails", "fails", "fails", "fails"]},
-        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 3 seeds (seed 0 run first); "
+        scaled="d=256, 8 heads, 6k steps x 128 (768k samples; the paper: 500k); 5 seeds (seed 0 run first); "
                "6 layers for the 1-digit multiplier and the paper's 9 for the 3-digit one (the paper: 768 wide, "
                "`UPE_BERT`; with it, 8k steps x 64 leave the 3-digit runs at a training loss of 0.41-0.50, docs/results/mul_padded-bert); "
                "RPE clip 64, 3 uniform slots; the 3-digit runs at 20k steps: docs/results/upe-mul-budget",
-        seeds=[0, 1, 2],
+        seeds=QUICK_SEEDS,
         checks=[("mul_padded/upe-m3", "mul_padded/rpe-m3", 3), ("mul_padded/upe-m3", "mul_padded/ape-m3", 3),
                 ("mul_padded/upe-m3", Kept(0.9, (1, 5)), 3)],   # "maintains 90 % of its original accuracy"
         full=dict(runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},

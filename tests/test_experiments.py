@@ -3,6 +3,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -882,6 +883,27 @@ def test_two_commands_on_one_output_folder_each_end_only_their_own_mps_daemon(tm
         assert done.returncode == 0 and "MPS: daemon started" in done.stdout, done.stdout + done.stderr
         assert alive(pid)                                    # the other command's daemon has come and gone
     assert not alive(pid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or shutil.which(jobs.MPS_CONTROL) is None,
+                    reason="needs a CUDA GPU and nvidia-cuda-mps-control")
+def test_two_jobs_commands_at_once_on_one_gpu_each_under_its_own_mps_daemon(tmp_path):
+    """The real daemon: two `--jobs 2` commands on one GPU and one --out, the short one ending while the long
+    one trains. Each starts a daemon of its own; the long one's runs must finish (with one shared daemon they
+    died when the short one quit it)."""
+    base = [sys.executable, "train.py", *TINY_JOBS[:-4], "--device", "cuda", "--jobs", "2", "--out",
+            str(tmp_path / "runs")]
+    long_ = subprocess.Popen(base + ["--steps", "15000", "--seeds", "0"], cwd=Path(jobs.__file__).parent,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    short = subprocess.run(base + ["--steps", "20", "--seeds", "1"], cwd=Path(jobs.__file__).parent,
+                           capture_output=True, text=True, timeout=300)
+    still = long_.poll() is None                             # the long command was training when the short ended
+    out = long_.communicate(timeout=300)[0]
+    assert short.returncode == 0 and "MPS: daemon started" in short.stdout, short.stdout + short.stderr
+    assert long_.returncode == 0 and "MPS: daemon started" in out, out
+    assert still, "the long command ended first: make its runs longer"
+    assert len(list((tmp_path / "runs").glob("copy/*/seed*/metrics.json"))) == 4
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")

@@ -889,21 +889,28 @@ def test_two_commands_on_one_output_folder_each_end_only_their_own_mps_daemon(tm
 @pytest.mark.skipif(not torch.cuda.is_available() or shutil.which(jobs.MPS_CONTROL) is None,
                     reason="needs a CUDA GPU and nvidia-cuda-mps-control")
 def test_two_jobs_commands_at_once_on_one_gpu_each_under_its_own_mps_daemon(tmp_path):
-    """The real daemon: two `--jobs 2` commands on one GPU and one --out, the short one ending while the long
-    one trains. Each starts a daemon of its own; the long one's runs must finish (with one shared daemon they
-    died when the short one quit it)."""
+    """The real daemon: two `--jobs 2` commands on one GPU and one --out. While the first trains, the second
+    runs to its end and stops its daemon; the first's runs must go on training (with one shared daemon they
+    died with it) and stop cleanly at Ctrl-C, each with its checkpoint."""
     base = [sys.executable, "train.py", *TINY_JOBS[:-4], "--device", "cuda", "--jobs", "2", "--out",
             str(tmp_path / "runs")]
-    long_ = subprocess.Popen(base + ["--steps", "15000", "--seeds", "0"], cwd=Path(jobs.__file__).parent,
+    first = subprocess.Popen(base + ["--steps", "10000000", "--seeds", "0"], cwd=Path(jobs.__file__).parent,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    short = subprocess.run(base + ["--steps", "20", "--seeds", "1"], cwd=Path(jobs.__file__).parent,
-                           capture_output=True, text=True, timeout=300)
-    still = long_.poll() is None                             # the long command was training when the short ended
-    out = long_.communicate(timeout=300)[0]
-    assert short.returncode == 0 and "MPS: daemon started" in short.stdout, short.stdout + short.stderr
-    assert long_.returncode == 0 and "MPS: daemon started" in out, out
-    assert still, "the long command ended first: make its runs longer"
-    assert len(list((tmp_path / "runs").glob("copy/*/seed*/metrics.json"))) == 4
+    logs = [tmp_path / "runs" / "copy" / m / "seed0" / "train.log" for m in ("nope", "rope")]
+    deadline = time.time() + 180
+    while not all(log.exists() and "step " in log.read_text() for log in logs) and time.time() < deadline:
+        assert first.poll() is None, first.communicate()[0]
+        time.sleep(1)
+    second = subprocess.run(base + ["--steps", "20", "--seeds", "1"], cwd=Path(jobs.__file__).parent,
+                            capture_output=True, text=True, timeout=300)
+    time.sleep(10)                                           # the first's runs, after the second's daemon quit
+    alive_after = first.poll() is None
+    first.send_signal(signal.SIGINT)
+    out = first.communicate(timeout=120)[0]
+    assert second.returncode == 0 and "MPS: daemon started" in second.stdout, second.stdout + second.stderr
+    assert alive_after and "MPS: daemon started" in out, out
+    assert first.returncode == 130 and out.count("stopped, checkpoint written") == 2 and "failed" not in out, out
+    assert len(list((tmp_path / "runs").glob("copy/*/seed1/metrics.json"))) == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in daemon is a POSIX shell script")

@@ -591,7 +591,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         runs=_prism_vs_ape("add_cot"),
         columns=[("1-10 (train)", (1, 10), "exact"), ("11-20", (11, 20), "exact"), ("21-30", (21, 30), "exact")],
         paper={"prism": ["~1.0", "high", "high"], "ape": ["", "fails", "fails"]},
-        scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 3 "
+        scaled="2 layers, d=128, 4 heads, 10k steps x 64 (the paper: 150k steps x 100) with the curriculum; 5 "
                "seeds, evaluated every 1000 steps for the paper's rule (mean of the top 3); " + _PRISM_RUNS
                + "; with the paper's 5 layers: docs/results/prism-add-depth",
         seeds=QUICK_SEEDS, select=("top3",),

@@ -413,7 +413,8 @@ def mps_daemon(folder: Path, gpus: list[str], log=print):
         log(f"MPS: {MPS_CONTROL} not found; {MPS_COST}")
         yield
         return
-    pipe, logs = folder / str(os.getpid()) / "pipe", folder / str(os.getpid()) / "log"
+    home = folder / str(os.getpid())                  # this command's own: another command's daemon is left alone
+    pipe, logs = home / "pipe", home / "log"
     logs.mkdir(parents=True, exist_ok=True)
     if len(str(pipe.resolve())) > 80:                 # the daemon's sockets live in it (108-byte paths)
         pipe = Path(tempfile.mkdtemp(prefix="mps-"))

@@ -878,8 +878,8 @@ def test_two_commands_on_one_output_folder_each_end_only_their_own_mps_daemon(tm
     with jobs.mps_daemon(folder, ["0"], log=lambda line: None):
         pid = int(next(folder.glob("**/pid")).read_text())          # the one daemon so far
         env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS")}   # a command of its own
-        done = subprocess.run([sys.executable, "-c", other, str(folder)], cwd=Path(jobs.__file__).parent, env=env, capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-c", other, str(folder)], cwd=Path(jobs.__file__).parent, env=env,
+                              capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "MPS: daemon started" in done.stdout, done.stdout + done.stderr
         assert alive(pid)                                    # the other command's daemon has come and gone
     assert not alive(pid)
@@ -894,15 +894,16 @@ def test_two_jobs_commands_at_once_on_one_gpu_each_under_its_own_mps_daemon(tmp_
     died with it) and stop cleanly at Ctrl-C, each with its checkpoint."""
     base = [sys.executable, "train.py", *TINY_JOBS[:-4], "--device", "cuda", "--jobs", "2", "--out",
             str(tmp_path / "runs")]
-    first = subprocess.Popen(base + ["--steps", "10000000", "--seeds", "0"], cwd=Path(jobs.__file__).parent,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root = Path(jobs.__file__).parent
+    first = subprocess.Popen(base + ["--steps", "10000000", "--seeds", "0"], cwd=root, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     logs = [tmp_path / "runs" / "copy" / m / "seed0" / "train.log" for m in ("nope", "rope")]
     deadline = time.time() + 180
     while not all(log.exists() and "step " in log.read_text() for log in logs) and time.time() < deadline:
         assert first.poll() is None, first.communicate()[0]
         time.sleep(1)
-    second = subprocess.run(base + ["--steps", "20", "--seeds", "1"], cwd=Path(jobs.__file__).parent,
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(base + ["--steps", "20", "--seeds", "1"], cwd=root, capture_output=True, text=True,
+                            timeout=300)
     time.sleep(10)                                           # the first's runs, after the second's daemon quit
     alive_after = first.poll() is None
     first.send_signal(signal.SIGINT)

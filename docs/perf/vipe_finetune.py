@@ -53,6 +53,7 @@ def bands(rows) -> dict:
 def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, continued: bool = False,
           data_from: int | None = None) -> dict:
     cfg, model, step = load(path)
+    start = step if data_from is None else data_from                 # the fine-tuning's first batch
     task = TASKS[cfg.task]
     opt_state = torch.load(path, map_location="cpu", weights_only=False)["opt"]
     lengths = cfg.test_lengths or task.test_lengths
@@ -64,7 +65,7 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, conti
         sets (every length in one call, as its evaluations draw them)."""
         s = (lambda L: s_max) if rule == "all" else (lambda L: compression(rule, L, top, test_max))
         return bands(evaluate(m, task, lengths, n, cfg.seed, "cpu", cfg.task_opts, s=s, precision="fp32"))
-    out = {"checkpoint": str(path), "step": step, "data_from": data_from or step, "s": s_max, "n": n,
+    out = {"checkpoint": str(path), "step": step, "data_from": start, "s": s_max, "n": n,
            "bands": [f"{a}-{b}" for a, b in BANDS],
            "as trained, s = 1": test(model, "one"), "as trained, s per length": test(model, "per_length"),
            "schedules": []}
@@ -73,7 +74,7 @@ def study(path: Path, schedules: list[tuple[str, int]], n: int, log=print, conti
         m = copy.deepcopy(model).train()
         opt = train.make_optimizer(m, cfg, "cpu")
         opt.load_state_dict(copy.deepcopy(opt_state))      # its tensors would be shared, and stepped, otherwise
-        here = dataclasses.replace(cfg, steps=data_from or step, graphs=False, compile=False)   # its batches from there
+        here = dataclasses.replace(cfg, steps=start, graphs=False, compile=False)   # its batches from there
         losses = train.finetune(m, m, opt, here, task, cfg.train_lengths or task.train_lengths, "cpu", {"stop": None},
                                 steps, s_max if schedule == "fixed" else ramp(s_max, steps),  # the loop's vipe_ramp
                                 fresh=not continued)

@@ -491,6 +491,8 @@ def _prism_more_full(run: dict) -> dict:
 
 # The UPE paper's BERT (its appendix B) without its layer count, which differs per experiment.
 UPE_BERT = dict(d_model=768, n_heads=8, dropout=0.1, lr=1e-4, weight_decay=1e-4, batch_size=64)
+# the 3-digit multiplier at the full budget: long enough to fit the training range, at the peak rate throughout
+UPE_MUL3_LONG = dict(steps=100_000, min_lr_ratio=1.0, eval_every=10_000)
 
 
 # The PaTH paper (section 4.1) gives the models of its synthetic tasks but no optimiser, budget or seeds:
@@ -660,15 +662,16 @@ EXPERIMENTS: dict[str, Experiment] = {
         checks=[("mul_padded/upe-m3", "mul_padded/rpe-m3", 3), ("mul_padded/upe-m3", "mul_padded/ape-m3", 3),
                 ("mul_padded/upe-m3", Kept(0.9, (1, 5)), 3)],   # "maintains 90 % of its original accuracy"
         full=dict(runs=[dict(task="mul_padded", method=m, tag=f"m{d}", task_opts={"multiplier_digits": d},
-                             n_layers=6 if d == 1 else 9, steps=15_000 if d == 1 else 20_000,
-                             train_set=100_000 if d == 1 else 500_000, **UPE_BERT)
+                             n_layers=6 if d == 1 else 9, train_set=100_000 if d == 1 else 500_000, **UPE_BERT,
+                             **(dict(steps=15_000) if d == 1 else UPE_MUL3_LONG))
                         for d in (1, 3) for m in ("ape", "rpe", "upe")], seeds=[0, 1, 2],
                   scaled="the paper's model and optimiser (appendix B: 768 wide, 8 heads, 6 layers, 9 for the "
                          "3-digit multiplier) and its fixed sets (100k samples; 500k for the 3-digit multiplier); "
-                         "15k and 20k steps x 64 (the paper does not say how long): 1.3-2.6 minutes a run alone on "
-                         "one H200, projected from its step (docs/perf/training.md); the 3-digit runs ran 9 at once "
-                         "under MPS on one H200, the 1-digit runs 9 at once beside 6 vipe-parity runs (wall: each "
-                         "run's share)")),
+                         "the 1-digit multiplier 15k steps x 64 with the cosine schedule, the 3-digit one 100k "
+                         "steps x 64 at a constant 1e-4 after the warm-up, evaluated every 10k steps (the paper "
+                         "does not say how long or with which schedule; at 20k steps with the cosine no 3-digit run "
+                         "fits its training range: docs/results/upe-mul-full-20k); the 1-digit runs ran 9 at once "
+                         "beside 6 vipe-parity runs under MPS on one H200 (wall: each run's share)")),
 }
 
 

@@ -94,7 +94,7 @@ class TrainConfig:
     n_eval_during: int = 0            # > 0: examples per length in those evaluations (0: n_eval)
     eval_from_loss: float = 0.0       # > 0: they start once the mean loss of the last eval_every steps is below it
     held_out_lengths: list | None = None  # also evaluated then, on other examples (the UPE paper's rule)
-    ckpt_every: int = 500             # write a checkpoint every this many steps
+    ckpt_every: int = 500             # write a checkpoint every this many steps (less often if slow: CKPT_SHARE)
     log_every: float = 5.0            # seconds between progress lines
     device: str = "auto"              # auto | cpu | cuda
     workers: int = 0                  # processes that make training batches ahead of the step (0: in the loop)
@@ -126,6 +126,7 @@ def device_of(name: str) -> str:
 
 
 CKPT = "checkpoint.pt"
+CKPT_SHARE = 0.03   # a periodic checkpoint's write, less 0.1 s, takes at most this share of the time between two
 JUMP = (0.01, 0.05, 3)   # a loss above 0.05 after one below 0.01, at one curriculum length: a jump (the last 3 kept)
 
 
@@ -295,11 +296,13 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
         f"d={cfg.model.d_model}, {n_params / 1e6:.2f}M params, {cfg.steps} steps x {cfg.batch_size} on {device}"
         + (f", {cfg.workers} data workers" if cfg.workers else "") + (", CUDA graphs" if cfg.graphs else ""))
 
-    def checkpoint(cuda=device.startswith("cuda")):   # the losses as one float32 tensor (8 bytes a step)
+    def checkpoint(cuda=device.startswith("cuda")):   # -> the time from which the next periodic one is due
+        tic = time.time()                             # (the losses go as one float32 tensor, 8 bytes a step)
         save_atomic({"config": asdict(cfg), "model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                      "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state() if cuda else None,
                      "wall": time.time() - t0, "history": history, "timed": timing(), "logit_max": logit_max,
                      "losses": torch.tensor(losses, dtype=torch.float32).view(-1, 2)}, cfg.run_dir() / CKPT)
+        return time.time() + max(0.0, time.time() - tic - 0.1) / CKPT_SHARE
 
     def forked(net, net_opt, during=False):   # method_final over a deep copy of the model (eager) and an optimiser
         net = copy.deepcopy(net)
@@ -326,7 +329,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
 
     model.train()
     t0, last_log, log_step = time.time() - wall, time.time(), step
-    waited, log_waited = 0.0, 0.0               # seconds spent waiting for data: in all, at the last log
+    waited, log_waited, due_ckpt = 0.0, 0.0, 0.0   # data wait (s; in all, at the last log); when a checkpoint is due
     warm = step + min(50, (cfg.steps - step) // 5)   # steps/s and data wait in the metrics: after these
     mark = (step, time.time(), 0.0)             # steps (compiles, graph captures, workers starting)
 
@@ -427,8 +430,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, flag: dict | None =
                 last_log, log_step, log_waited = now, step, waited
             if due():
                 evaluate_during()
-            if at_checkpoint:
-                checkpoint()
+            if at_checkpoint and (step == cfg.steps or time.time() >= due_ckpt):
+                due_ckpt = checkpoint()
     finally:
         stream.close()                           # stops the data workers, however the loop ends
     wall, (ran, loop, wait) = time.time() - t0, timing()

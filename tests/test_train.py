@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 import math
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -234,6 +235,23 @@ def test_the_largest_logit_is_logged_at_every_checkpoint(tmp_path):
     assert metrics["logit_max"][-1][1] == pytest.approx(largest_logits(model, probe.x), rel=1e-6)
     assert metrics["logit_max"][0][1] != metrics["logit_max"][-1][1]          # it follows the training
     assert f"logit max {max(metrics['logit_max'][-1][1]):.3g}" in [x for x in lines if "step     20/" in x][0]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_slow_checkpoint_write_is_skipped_until_its_share_of_the_time_allows(tmp_path, monkeypatch, slow):
+    """Fast writes: a checkpoint every ckpt_every steps. A write of 0.4 s (a large model's): the next periodic
+    one waits (0.4 - 0.1) / CKPT_SHARE = 10 s, so only the first and the last step's are written."""
+    written, real = [], train.save_atomic
+
+    def save(obj, path, **kw):
+        if path.name == train.CKPT:
+            written.append(obj["step"])
+            time.sleep(0.4 if slow else 0.0)
+        real(obj, path, **kw)
+    monkeypatch.setattr(train, "save_atomic", save)
+    monkeypatch.setattr(train, "CKPT_SHARE", 0.03)
+    train.train(tiny_config(tmp_path, steps=30), log=lambda *_: None)
+    assert written == ([5, 30] if slow else [5, 10, 15, 20, 25, 30])
 
 
 def test_metrics_keep_the_highest_loss_of_every_stretch(tmp_path, monkeypatch):

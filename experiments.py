@@ -1038,7 +1038,8 @@ def write_tables(exps: dict[str, Experiment], plans: dict, out: Path, ran: set, 
     once all its runs are present (`plans`: name -> its configs; `ran`: ids of the configs this command
     trained; with `partial`, from the runs present); with `every` (the budget of --reproduce all), all of them
     in reproduce/all<suffix>.md. An experiment with a run present of another setup (`other`, ids of configs:
-    jobs.other_setup) is not tabled: its table stays as it was, and the command says so."""
+    jobs.other_setup) is not tabled: its table stays as it was (in all<suffix>.md too, marked), and the command
+    says so."""
     tables = []
     for name, cfgs in plans.items():
         print(f"== {name}: {len(cfgs)} runs")
@@ -1047,6 +1048,10 @@ def write_tables(exps: dict[str, Experiment], plans: dict, out: Path, ran: set, 
             print(f"error: {name}: not tabled, its table left as it was: {len(stale)} of its runs present were made "
                   f"with other options than its setup now (the plan says which; e.g. {stale[0].run_dir()}): "
                   "--force reruns them, or move them aside", file=sys.stderr)
+            kept = out / "reproduce" / f"{name}{suffix}.md"
+            if kept.exists():
+                tables.append(f"{kept.read_text().rstrip()}\n\n(This table was left as it was: {len(stale)} of its "
+                              "runs present were made with other options than its setup now.)")
             continue
         waiting = [cfg for cfg in cfgs if id(cfg) not in ran and not stored(cfg.run_dir() / "metrics.json")]
         exp = exps[name]

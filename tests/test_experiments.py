@@ -512,7 +512,8 @@ def test_runs_present_from_another_setup_are_named_and_not_taken_for_the_new_one
     assert code == 1 and "tiny: not tabled, its table left as it was: 2 of its runs present" in err
     assert (out / "reproduce" / "tiny.md").read_text() == "the table as it was\n"
     assert "copy/nope | this repo" in (out / "reproduce" / "nope.md").read_text()
-    assert not (out / "reproduce" / "all.md").exists()
+    text = (out / "reproduce" / "all.md").read_text()          # every table, the kept one marked
+    assert "the table as it was\n\n(This table was left as it was: 2 of its runs" in text and "copy/nope | this" in text
     monkeypatch.setattr(experiments, "EXPERIMENTS", every)
     (out / "reproduce" / "tiny.md").unlink()
     code, stdout, _ = run_cli(capsys, *args, "--runs", "2,3", "--force")

@@ -158,3 +158,14 @@ def test_the_gpu_suite_deals_every_gpu_test_once_keeping_the_kernels_of_a_group_
     group = [t for t in ids if t.startswith("tests/test_path_attention.py::test_triton_gpu_default_blocks[False-16-")
              and "dtype0" in t]
     assert len(group) == 4 and len({where[t] for t in group}) == 1
+
+
+def test_every_results_folder_is_in_the_results_index():
+    """docs/results/README.md names every folder of docs/results (a task's runs or a study), and no other."""
+    import re
+    root = Path(__file__).resolve().parents[1] / "docs" / "results"
+    named = set(re.findall(r"`([\w.-]+)`", (root / "README.md").read_text()))
+    folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    assert folders - named == set(), "not in docs/results/README.md"
+    listed = set(re.findall(r"^\| `([\w.-]+)` \|", (root / "README.md").read_text(), re.M))
+    assert listed - folders == set(), "listed in docs/results/README.md but not there"

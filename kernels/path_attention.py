@@ -17,7 +17,8 @@ Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at BL = 64). `c
 (Triton, for fp16/bf16 inputs with D = 32, 64 or 128) or `chunk_products` (PyTorch, otherwise)
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
-M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW). A query
+M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW; for the head
+dims of CARRY_WU, two products by W_m and U_m in 16 bits instead, the gradient still M's). A query
 then needs the block products only inside its own chunk; further left it scores a whole chunk of
 keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
@@ -77,6 +78,12 @@ LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
 # tiles of DKL_TILE key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: D = 128,
 # where `_bwd_dkv` spills and the split was measured faster; the tests run both ways.
 SPLIT_DKL: set[int] = {128}
+
+# Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
+# by the block's W and U (two BL x D products of 16-bit operands: Q~ - (Q~ W^T) U) instead of by the
+# D x D float32 M = W^T U in TF32: the same product, half the bytes at D = 128, no D x D tile in
+# registers. Opt-in until measured on a GPU (docs/perf/path.md); float32 inputs always take M.
+CARRY_WU: set[int] = set()
 DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 
@@ -116,6 +123,21 @@ def _square(P, k, rd, D: tl.constexpr):
 
 
 @triton.jit
+def _carry(x, MB, W, U, blk, col, rd, D: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
+           WU: tl.constexpr, BACK: tl.constexpr = False):
+    """A state x (BL, D) float32 through block blk's product: x - x M (BACK: its gradient, x - x M^T),
+    M = W^T U, by M (D x D float32) or, with WU, by the block's rows col of W and U (16 bits):
+    x - (x W^T) U (BACK: x - (x U^T) W)."""
+    if WU:
+        a = tl.load((U if BACK else W) + col[:, None] * D + rd[None, :])
+        b = tl.load((W if BACK else U) + col[:, None] * D + rd[None, :])
+        xa = tl.dot(x.to(a.dtype), tl.trans(a), input_precision=PREC16)             # (BL, BL)
+        return x - tl.dot(xa.to(b.dtype), b, input_precision=PREC16)
+    mb = _square(MB, blk, rd, D)                                                      # (D, D) M
+    return x - tl.dot(x, tl.trans(mb) if BACK else mb, input_precision=PREC)
+
+
+@triton.jit
 def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
     """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV)."""
     mnew = tl.maximum(mx, tl.max(s, 1))
@@ -127,9 +149,10 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 
 
 @triton.jit
-def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
+def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
-         KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr):
+         KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
+         WU: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
@@ -154,11 +177,11 @@ def _fwd(QH, KH, KL, V, MB, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_i
         m = i - 1 - t
         col = bh * T + m * BL + rc
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        mb = _square(MB, bh * (T // BL) + m, rd, D)                                   # (D, D) M_m
         qk = q.to(kh.dtype)
         if SAVE:
             tl.store(QS + (first + t) * BL * D + tile, qk)
-        q = q - tl.dot(q, mb, input_precision=PREC)          # the next state, while this one scores
+        # the next state, while this one scores
+        q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, PREC16, WU)
         s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
@@ -200,10 +223,10 @@ def _dq_pair(qs, k, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G: tl.const
 
 
 @triton.jit
-def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
+def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n_chunks,
             n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
             R: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, IS: tl.constexpr, HAS_G: tl.constexpr,
-            PREC: tl.constexpr, PREC16: tl.constexpr):
+            PREC: tl.constexpr, PREC16: tl.constexpr, WU: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]
@@ -249,8 +272,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DS
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
-        mb = _square(MB, bh * (T // BL) + m, rd, D)
-        x = x - tl.dot(x, tl.trans(mb), input_precision=PREC)
+        x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, PREC16, WU, True)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
     if HAS_G:
@@ -442,10 +464,11 @@ def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, BL: t
 
 
 @triton.jit
-def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, BL: tl.constexpr, LP: tl.constexpr):
+def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl.constexpr, LP: tl.constexpr,
+            STORE_U: tl.constexpr):
     """One block: qh = q - QW u, kh = k - F^T w, sd = scale (q k^T - QW F), the block product as
-    M = W^T u (P = I - M, D x D) with u = A w, and T^-1 kept for the backward. QW = lower(q w^T),
-    F = A strictLower(w k^T)."""
+    M = W^T u (P = I - M, D x D) with u = A w (stored too with STORE_U), and T^-1 kept for the backward.
+    QW = lower(q w^T), F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, BL), tl.arange(0, D)
     row = bh * tl.num_programs(0) * BL + blk * BL + rc                # (BL,) token rows
@@ -465,6 +488,8 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, scale, D: tl.constexpr, BL: tl.co
     tl.store(SD + cc, (scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt))).to(SD.dtype.element_ty))
     dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
     tl.store(MB + dd, _mm(tl.trans(w), u, LP, dt))
+    if STORE_U:                                                       # for CARRY_WU
+        tl.store(U + cd, u)
 
 
 @triton.jit
@@ -523,22 +548,28 @@ class UTBlocks(torch.autograd.Function):
     (BH, T / BL, D, D) is its block product P = I - M. qh and kh come out in the input dtype (they
     are rounded to it for the tensor cores later anyway), and so does sd: its gradient, which
     autograd gives in sd's dtype, then costs half the memory traffic, and it is no less exact than
-    the logits that the attention kernels form from qh and kh. M is float32."""
+    the logits that the attention kernels form from qh and kh. M is float32. With store_u it also
+    returns U (BH, T, D) in the input dtype, which only serves as a second form of M (CARRY_WU): it
+    has no gradient of its own, M's carries it."""
 
     @staticmethod
-    def forward(ctx, q, k, w, beta, scale, BL):
+    def forward(ctx, q, k, w, beta, scale, BL, store_u=False):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
         qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // BL, D, D, **f32)
         sd, ti = torch.empty(BH, T, BL, device=q.device, dtype=q.dtype), torch.empty(BH, T, BL, **f32)
+        u = torch.empty_like(q) if store_u else None
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
-        _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, scale, D=D, BL=BL, LP=lp, num_warps=UT_WARPS)
+        _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, qh if u is None else u, scale, D=D, BL=BL, LP=lp,
+                               STORE_U=store_u, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)
         ctx.scale, ctx.BL, ctx.lp = scale, BL, lp
-        return qh, kh, mb, sd
+        if u is not None:
+            ctx.mark_non_differentiable(u)
+        return qh, kh, mb, sd, u
 
     @staticmethod
-    def backward(ctx, dqh, dkh, dmb, dsd):
+    def backward(ctx, dqh, dkh, dmb, dsd, du=None):
         q, k, w, beta, ti = ctx.saved_tensors
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
@@ -549,7 +580,7 @@ class UTBlocks(torch.autograd.Function):
         dbeta = torch.empty(BH, T, **f32)
         _ut_bwd[(T // ctx.BL, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, BL=ctx.BL,
                                   LP=ctx.lp, num_warps=UT_WARPS)
-        return dq, dk, dw, dbeta, None, None
+        return dq, dk, dw, dbeta, None, None, None
 
 
 def chunk_products(kh, mb, BL: int, R: int):
@@ -678,11 +709,12 @@ class PathScan(torch.autograd.Function):
     """o = attention over the block pairs, given the UT preprocessing (see the module docstring). It
     builds the chunk products itself, so that their backward can take in the attention kernels'
     gradients of kh and M instead of autograd adding them afterwards. The blocks' products come in
-    as M (P = I - M), not as W and U: w then reaches this function only through M, and its
-    gradient is formed once, in the UT backward."""
+    as M (P = I - M): w then reaches this function only through M, and its gradient is formed once,
+    in the UT backward. w16 and u16 (BH, T, D), given for the head dims of CARRY_WU, are the same
+    products' W and U in 16 bits, which the kernels carry the states of a chunk through instead."""
 
     @staticmethod
-    def forward(ctx, qh, kh, v, mb, sd, G, scale, BL, R):
+    def forward(ctx, qh, kh, v, mb, sd, G, scale, BL, R, w16=None, u16=None):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             khc = None                                       # (their backward needs no kh)
@@ -705,16 +737,19 @@ class PathScan(torch.autograd.Function):
         states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype) # noqa: E731
         qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
-        _fwd[(n, BH)](qh, kh, kl, v, mb, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
+        wu = w16 is not None
+        w16, u16 = (w16, u16) if wu else (mb, mb)                # not read without WU
+        _fwd[(n, BH)](qh, kh, kl, v, mb, w16, u16, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
-                      HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse)
+                      HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, WU=wu, **launch("fwd", D))
+        ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, suf, sd, G, o, lse)
+        ctx.wu = wu
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, khc, kh, kl, v, mb, pl, suf, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, khc, kh, kl, v, mb, w16, u16, pl, suf, sd, G, o, lse = ctx.saved_tensors
         scale, BL, R, (prec, prec16) = ctx.scale, ctx.BL, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -733,10 +768,9 @@ class PathScan(torch.autograd.Function):
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl, dqh,
-                         dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
-                         KB=key_tile(BL, R, D),
-                         **meta, **launch("dq", D))
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl,
+                         dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
+                         KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         split = D in SPLIT_DKL
         if split:                                               # the later chunks' pairs first
@@ -760,4 +794,4 @@ class PathScan(torch.autograd.Function):
                 grads = torch.autograd.grad(chunk_products(*ins, BL, R), ins, (dkl, dpl))
             dkh, dmb = dkh + grads[0], dmb + grads[1]
         dG = dgq + dgk if has_g else None
-        return dqh, dkh, dv, dmb, dsd, dG, None, None, None
+        return dqh, dkh, dv, dmb, dsd, dG, None, None, None, None, None

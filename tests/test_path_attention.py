@@ -180,6 +180,19 @@ def test_triton_with_the_later_chunks_in_their_own_kernel(T, D, block, chunk, dt
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), tol)
 
 
+@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 8), (97, 32, 16, 3), (40, 128, 16, 4)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeypatch):
+    """kernels.path_attention.CARRY_WU: in 16 bits the states of a chunk go through each block's W and U
+    (Q~ - (Q~ W^T) U forward, X - (X U^T) W backward) instead of M; the outputs and every gradient
+    still match the float64 reference (chunks of 8 blocks: the block level alone; of 3 and 4: both)."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "CARRY_WU", {D})
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=torch.float16, device=DEV, seed=T + D + 1)
+    do = torch.randn(1, 2, T, D, device=DEV)
+    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
+
+
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
 @pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):
@@ -198,22 +211,22 @@ def test_triton_matches_naive_fp16(T, D, block, chunk):
                           if not (GPU and BL == 64 and dt == torch.float32)])
 def test_fused_ut_preprocessing_matches_ut_blocks(T, D, BL, dtype, tol):
     """kernels.path_attention.UTBlocks (used for 16-bit inputs) against path_attention.ut_blocks in
-    float64: the four outputs (qh, kh, M = W^T U per block, sd) and the gradients of q, k, w, beta
-    for random upstream gradients. With float32 inputs its products are exact float32; with fp16
-    they round their operands to fp16 (M's too)."""
+    float64: the four outputs (qh, kh, M = W^T U per block, sd), the gradients of q, k, w, beta
+    for random upstream gradients, and U (stored for CARRY_WU). With float32 inputs its products are
+    exact float32; with fp16 they round their operands to fp16 (M's too)."""
     from kernels.path_attention import UTBlocks
     q, k, v, w, beta, _ = make_inputs(1, 3, T, D, gate=False, dtype=dtype, device=DEV, seed=T + BL)
     flat = lambda x: x.detach().reshape(3, T, -1).contiguous().requires_grad_(True)  # noqa: E731
     xs = [flat(q), flat(k), flat(w), beta.detach().reshape(3, T).contiguous().requires_grad_(True)]
-    outs = UTBlocks.apply(*xs, 0.3, BL)
+    *outs, u16 = UTBlocks.apply(*xs, 0.3, BL, True)
     ups = [torch.randn_like(o) for o in outs]
-    got = list(outs) + list(torch.autograd.grad(outs, xs, ups))
+    got = list(outs) + list(torch.autograd.grad(outs, xs, ups)) + [u16]
     ref = [x.detach().double().requires_grad_(True) for x in xs]
     qh, kh, wb, u, sd = pa.ut_blocks(*(x[None] for x in ref), 0.3, BL)
     mb = wb[0].view(3, T // BL, BL, D).mT @ u[0].view(3, T // BL, BL, D)        # (3, T / BL, D, D)
     want_outs = [qh[0], kh[0], mb, sd[0]]
-    want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups]))
-    for name, a, b in zip(["qh", "kh", "M", "sd", "dq", "dk", "dw", "dbeta"], got, want):
+    want = want_outs + list(torch.autograd.grad(want_outs, ref, [g.double() for g in ups])) + [u[0].detach()]
+    for name, a, b in zip(["qh", "kh", "M", "sd", "dq", "dk", "dw", "dbeta", "U"], got, want, strict=True):
         err = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
         assert err <= tol, f"{name}: relative error {err:.2e}, allowed {tol:.0e}"
 
@@ -280,6 +293,20 @@ def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
     monkeypatch.setattr(kp, "SPLIT_DKL", {D} if split else set())
     xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D)
     do = torch.randn(1, 2, 1100, D, device="cuda")
+    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [97, 1100])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
+def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
+    """CARRY_WU at D = 128 with the default blocks, compiled: the block level alone (T = 97) and with
+    the chunk level (T = 1100), gated."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "CARRY_WU", {128})
+    xs = make_inputs(1, 2, T, 128, gate=True, dtype=dtype, device="cuda", seed=T + 3)
+    do = torch.randn(1, 2, T, 128, device="cuda")
     check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
 
 

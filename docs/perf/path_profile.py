@@ -4,9 +4,10 @@ settings are fastest at a given head dim.
     python docs/perf/path_profile.py --D 128 --H 16                   # today's settings
     python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
     python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x3,8x3 --dkl-tile 1,2   # _bwd_dkl
+    python docs/perf/path_profile.py --D 128 --H 16 --carry-wu 0,1             # states carried by W and U
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
-the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not) it prints the median fwd+bwd time
+the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not) it prints the median fwd+bwd time
 (triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
 registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position
 encoding) at the same shape is timed in the same process. Run it from the repository root; the
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
                    "(1, kernels.path_attention.SPLIT_DKL) (default: as SPLIT_DKL says for D)")
     p.add_argument("--dkl", default="", help="warps x stages of _bwd_dkl to try (with --split 1)")
     p.add_argument("--dkl-tile", default="", help="key blocks per _bwd_dkl program to try (default: DKL_TILE)")
+    p.add_argument("--carry-wu", default="", help="0,1: a chunk's states carried by M (0) or by W and U (1, "
+                   "CARRY_WU)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -132,11 +135,13 @@ def main(argv=None) -> int:
     splits = [a.D in kp.SPLIT_DKL] if not a.split else [bool(int(x)) for x in a.split.split(",")]
     dkl = [None] if not a.dkl else [tuple(int(x) for x in s.split("x")) for s in a.dkl.split(",")]
     tiles = [kp.DKL_TILE] if not a.dkl_tile else [int(x) for x in a.dkl_tile.split(",")]
+    wus = [a.D in kp.CARRY_WU] if not a.carry_wu else [bool(int(x)) for x in a.carry_wu.split(",")]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
+    default_wu = set(kp.CARRY_WU)
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
             for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
-            for kt in (tiles if sp else [default_tile])]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt in grid:
+            for kt in (tiles if sp else [default_tile]) for wu in wus]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
@@ -144,10 +149,11 @@ def main(argv=None) -> int:
             return default_launch(name, D) | over
         kp.launch, kp.UT_WARPS = patched, uw
         kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
+        kp.CARRY_WU = default_wu | {a.D} if wu else default_wu - {a.D}
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
-                 f" split={int(sp)}"
+                 f" split={int(sp)} carry_wu={int(wu)}"
                  + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:
@@ -165,6 +171,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
     kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
+    kp.CARRY_WU = default_wu
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

@@ -78,13 +78,13 @@ LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
 # tiles of DKL_TILE key blocks, no D x D tensor in registers) instead of inside `_bwd_dkv`: D = 128,
 # where `_bwd_dkv` spills and the split was measured faster; the tests run both ways.
 SPLIT_DKL: set[int] = {128}
+DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 # Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
 # by the block's W and U (two BL x D products of 16-bit operands: Q~ - (Q~ W^T) U) instead of by the
 # D x D float32 M = W^T U in TF32: the same product, half the bytes at D = 128, no D x D tile in
 # registers. Opt-in until measured on a GPU (docs/perf/path.md); float32 inputs always take M.
 CARRY_WU: set[int] = set()
-DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 
 def launch(name: str, D: int) -> dict:

@@ -228,7 +228,7 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     w = flat(w, f32)
     # float32 inputs: exact float32 products in PyTorch (cuBLAS). D = 16: the fused kernel's bf16
     # products hit an illegal memory access on an H100 (Triton 3.6), so PyTorch as well.
-    wu = ()                                                 # W and U in 16 bits, where they carry the states
+    wu = ()                                                 # W and U in fp16, where they carry the states
     if q.dtype == torch.float32 or D < 32:
         qh, kh, _, u, sd = (flat(x) for x in ut_blocks(q, k, w.view(B, H, Tp, D), beta, scale, BL))
         with torch.autocast(q.device.type, enabled=False):  # M = W^T U per block, in float32
@@ -236,7 +236,7 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
     else:                                                   # 16-bit inputs: fused, tensor-core products
         qh, kh, mb, sd, u = kp.UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
                                               scale, BL, D in kp.CARRY_WU)
-        wu = (w.to(q.dtype), u) if D in kp.CARRY_WU else ()
+        wu = (w.to(torch.float16), u) if D in kp.CARRY_WU else ()
     o = kp.PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, BL, chunk or kp.CHUNK, *wu)
     return o.view(B, H, Tp, DV)[:, :, :T]
 

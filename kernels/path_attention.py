@@ -81,9 +81,10 @@ SPLIT_DKL: set[int] = {128}
 DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (else 1)
 
 # Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
-# by the block's W and U (two BL x D products of 16-bit operands: Q~ - (Q~ W^T) U) instead of by the
-# D x D float32 M = W^T U in TF32: the same product, half the bytes at D = 128, no D x D tile in
-# registers. Opt-in until measured on a GPU (docs/perf/path.md); float32 inputs always take M.
+# by the block's W and U (two BL x D products of fp16 operands, whose 10-bit mantissa is TF32's, for
+# bf16 inputs too: Q~ - (Q~ W^T) U) instead of by the D x D float32 M = W^T U in TF32: the same
+# product, half the bytes at D = 128, no D x D tile in registers. Opt-in until measured on a GPU
+# (docs/perf/path.md); float32 inputs always take M.
 CARRY_WU: set[int] = set()
 
 
@@ -123,16 +124,16 @@ def _square(P, k, rd, D: tl.constexpr):
 
 
 @triton.jit
-def _carry(x, MB, W, U, blk, col, rd, D: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
-           WU: tl.constexpr, BACK: tl.constexpr = False):
+def _carry(x, MB, W, U, blk, col, rd, D: tl.constexpr, PREC: tl.constexpr, WU: tl.constexpr,
+           BACK: tl.constexpr = False):
     """A state x (BL, D) float32 through block blk's product: x - x M (BACK: its gradient, x - x M^T),
-    M = W^T U, by M (D x D float32) or, with WU, by the block's rows col of W and U (16 bits):
+    M = W^T U, by M (D x D float32) or, with WU, by the block's rows col of W and U (fp16):
     x - (x W^T) U (BACK: x - (x U^T) W)."""
     if WU:
         a = tl.load((U if BACK else W) + col[:, None] * D + rd[None, :])
         b = tl.load((W if BACK else U) + col[:, None] * D + rd[None, :])
-        xa = tl.dot(x.to(a.dtype), tl.trans(a), input_precision=PREC16)             # (BL, BL)
-        return x - tl.dot(xa.to(b.dtype), b, input_precision=PREC16)
+        xa = tl.dot(x.to(tl.float16), tl.trans(a))                                  # (BL, BL)
+        return x - tl.dot(xa.to(tl.float16), b)
     mb = _square(MB, blk, rd, D)                                                      # (D, D) M
     return x - tl.dot(x, tl.trans(mb) if BACK else mb, input_precision=PREC)
 
@@ -181,7 +182,7 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
         if SAVE:
             tl.store(QS + (first + t) * BL * D + tile, qk)
         # the next state, while this one scores
-        q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, PREC16, WU)
+        q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
         s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
@@ -272,7 +273,7 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
-        x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, PREC16, WU, True)
+        x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU, True)
         x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
     tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
     if HAS_G:
@@ -467,7 +468,7 @@ def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, BL: t
 def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl.constexpr, LP: tl.constexpr,
             STORE_U: tl.constexpr):
     """One block: qh = q - QW u, kh = k - F^T w, sd = scale (q k^T - QW F), the block product as
-    M = W^T u (P = I - M, D x D) with u = A w (stored too with STORE_U), and T^-1 kept for the backward.
+    M = W^T u (P = I - M, D x D) with u = A w (stored in fp16 with STORE_U), and T^-1 kept for the backward.
     QW = lower(q w^T), F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, BL), tl.arange(0, D)
@@ -480,7 +481,10 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl
     # them to it anyway): half the registers
     q, k, w = tl.load(Q + cd), tl.load(K + cd), tl.load(W + cd).to(dt)
     a = (tl.load(TI + cc) * tl.load(BETA + row)[None, :]).to(dt)      # A = T^-1 diag(beta)
-    u = _mm(a, w, LP, dt).to(dt)
+    u32 = _mm(a, w, LP, dt)
+    if STORE_U:                                                       # for CARRY_WU, in fp16
+        tl.store(U + cd, u32.to(U.dtype.element_ty))
+    u = u32.to(dt)
     qw = tl.where(rc[:, None] >= rc[None, :], _mm(q, tl.trans(w), LP, dt), 0.0).to(dt)
     f = _mm(a, tl.where(rc[:, None] > rc[None, :], _mm(w, tl.trans(k), LP, dt), 0.0).to(dt), LP, dt).to(dt)
     tl.store(QH + cd, (q - _mm(qw, u, LP, dt)).to(QH.dtype.element_ty))
@@ -488,8 +492,6 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl
     tl.store(SD + cc, (scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt))).to(SD.dtype.element_ty))
     dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
     tl.store(MB + dd, _mm(tl.trans(w), u, LP, dt))
-    if STORE_U:                                                       # for CARRY_WU
-        tl.store(U + cd, u)
 
 
 @triton.jit
@@ -549,8 +551,8 @@ class UTBlocks(torch.autograd.Function):
     are rounded to it for the tensor cores later anyway), and so does sd: its gradient, which
     autograd gives in sd's dtype, then costs half the memory traffic, and it is no less exact than
     the logits that the attention kernels form from qh and kh. M is float32. With store_u it also
-    returns U (BH, T, D) in the input dtype, which only serves as a second form of M (CARRY_WU): it
-    has no gradient of its own, M's carries it."""
+    returns U (BH, T, D), in fp16 for 16-bit inputs, which only serves as a second form of M (CARRY_WU): it has no
+    gradient of its own, M's carries it."""
 
     @staticmethod
     def forward(ctx, q, k, w, beta, scale, BL, store_u=False):
@@ -558,8 +560,8 @@ class UTBlocks(torch.autograd.Function):
         f32 = dict(device=q.device, dtype=torch.float32)
         qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // BL, D, D, **f32)
         sd, ti = torch.empty(BH, T, BL, device=q.device, dtype=q.dtype), torch.empty(BH, T, BL, **f32)
-        u = torch.empty_like(q) if store_u else None
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
+        u = torch.empty_like(q, dtype=torch.float16 if lp else torch.float32) if store_u else None
         _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, qh if u is None else u, scale, D=D, BL=BL, LP=lp,
                                STORE_U=store_u, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)

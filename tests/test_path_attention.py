@@ -183,9 +183,9 @@ def test_triton_with_the_later_chunks_in_their_own_kernel(T, D, block, chunk, dt
 @pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 8), (97, 32, 16, 3), (40, 128, 16, 4)])
 @pytest.mark.parametrize("gate", [False, True])
 def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeypatch):
-    """kernels.path_attention.CARRY_WU: in 16 bits the states of a chunk go through each block's W and U
-    (Q~ - (Q~ W^T) U forward, X - (X U^T) W backward) instead of M; the outputs and every gradient
-    still match the float64 reference (chunks of 8 blocks: the block level alone; of 3 and 4: both)."""
+    """kernels.path_attention.CARRY_WU: for 16-bit inputs the states of a chunk go through each block's W
+    and U in fp16 (Q~ - (Q~ W^T) U forward, X - (X U^T) W backward) instead of M; the outputs and every
+    gradient still match the float64 reference (chunks of 8 blocks: the block level alone; of 3 and 4: both)."""
     import kernels.path_attention as kp
     monkeypatch.setattr(kp, "CARRY_WU", {D})
     xs = make_inputs(1, 2, T, D, gate=gate, dtype=torch.float16, device=DEV, seed=T + D + 1)

@@ -18,7 +18,8 @@ Two levels. R consecutive blocks form a chunk (R = 8: 512 tokens at BL = 64). `c
 multiplies each chunk's block products into one D x D matrix PL_b and carries every key on to
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
 M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW; for the head
-dims of CARRY_WU, two products by W_m and U_m in 16 bits instead, the gradient still M's). A query
+dims of CARRY_WU, two products by W_m and U_m in fp16 instead, and PL_b in fp16, the gradients still
+M's and PL's). A query
 then needs the block products only inside its own chunk; further left it scores a whole chunk of
 keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
@@ -82,9 +83,9 @@ DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (
 
 # Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
 # by the block's W and U (two BL x D products of fp16 operands, whose 10-bit mantissa is TF32's, for
-# bf16 inputs too: Q~ - (Q~ W^T) U) instead of by the D x D float32 M = W^T U in TF32: the same
-# product, half the bytes at D = 128, no D x D tile in registers. Opt-in until measured on a GPU
-# (docs/perf/path.md); float32 inputs always take M.
+# bf16 inputs too: Q~ - (Q~ W^T) U) instead of by the D x D float32 M = W^T U in TF32, and through an
+# earlier chunk by its PL in fp16: the same products, half the bytes at D = 128. Opt-in until measured
+# on a GPU (docs/perf/path.md); float32 inputs always take M and PL in float32.
 CARRY_WU: set[int] = set()
 
 
@@ -196,8 +197,8 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
         if SAVE:
             tl.store(QL + (first + b) * BL * D + tile, qk)
         if b > 0:                                          # the next state, while this one scores
-            pl = _square(PL, bh * n_chunks + b, rd, D)
-            q = tl.dot(q, pl, input_precision=PREC)
+            pl = _square(PL, bh * n_chunks + b, rd, D)                # fp16 with WU
+            q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
         for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
@@ -255,8 +256,8 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
         at = (first + b) * BL * D + tile
         tl.store(XL + at, x.to(XL.dtype.element_ty))
         qs = tl.load(QL + at)
-        pl = _square(PL, bh * n_chunks + b, rd, D)
-        x = tl.dot(x, tl.trans(pl), input_precision=PREC)
+        pl = _square(PL, bh * n_chunks + b, rd, D)                    # fp16 with WU
+        x = tl.dot(x.to(pl.dtype), tl.trans(pl)) if WU else tl.dot(x, tl.trans(pl), input_precision=PREC)
         for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
@@ -713,7 +714,8 @@ class PathScan(torch.autograd.Function):
     gradients of kh and M instead of autograd adding them afterwards. The blocks' products come in
     as M (P = I - M): w then reaches this function only through M, and its gradient is formed once,
     in the UT backward. w16 and u16 (BH, T, D), given for the head dims of CARRY_WU, are the same
-    products' W and U in 16 bits, which the kernels carry the states of a chunk through instead."""
+    products' W and U in fp16, which the kernels carry the states of a chunk through instead; the
+    states then go through the chunks' products PL in fp16 as well."""
 
     @staticmethod
     def forward(ctx, qh, kh, v, mb, sd, G, scale, BL, R, w16=None, u16=None):
@@ -741,17 +743,18 @@ class PathScan(torch.autograd.Function):
         has_g = G is not None
         wu = w16 is not None
         w16, u16 = (w16, u16) if wu else (mb, mb)                # not read without WU
-        _fwd[(n, BH)](qh, kh, kl, v, mb, w16, u16, pl, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
+        plc = pl.to(torch.float16) if wu else pl                 # the carries' PL: fp16 with WU
+        _fwd[(n, BH)](qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
                       n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
                       HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, WU=wu, **launch("fwd", D))
-        ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, suf, sd, G, o, lse)
+        ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)
         ctx.wu = wu
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qs, ql, khc, kh, kl, v, mb, w16, u16, pl, suf, sd, G, o, lse = ctx.saved_tensors
+        qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse = ctx.saved_tensors
         scale, BL, R, (prec, prec16) = ctx.scale, ctx.BL, ctx.R, ctx.prec
         BH, T, D = kh.shape
         DV = v.shape[-1]
@@ -770,7 +773,7 @@ class PathScan(torch.autograd.Function):
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, pl, sd, G if has_g else lse, o, do, lse, delta, xs, xl,
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, do, lse, delta, xs, xl,
                          dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
                          KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL

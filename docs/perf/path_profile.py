@@ -5,6 +5,7 @@ settings are fastest at a given head dim.
     python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
     python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x3,8x3 --dkl-tile 1,2   # _bwd_dkl
     python docs/perf/path_profile.py --D 128 --H 16 --carry-wu 0,1             # states carried by W and U
+    python docs/perf/path_profile.py --D 128 --carry-wu 1 --launch "" --launch "fwd.num_stages=2 dq.IS=2"
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
 the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not) it prints the median fwd+bwd time
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
                    "(1, kernels.path_attention.SPLIT_DKL) (default: as SPLIT_DKL says for D)")
     p.add_argument("--dkl", default="", help="warps x stages of _bwd_dkl to try (with --split 1)")
     p.add_argument("--dkl-tile", default="", help="key blocks per _bwd_dkl program to try (default: DKL_TILE)")
+    p.add_argument("--launch", action="append", default=[], help="launch settings over LAUNCH[D], one variant "
+                   "each: 'KERNEL.KEY=VALUE ...' (e.g. 'fwd.num_stages=2 dq.IS=2'; '' for LAUNCH as it is)")
     p.add_argument("--carry-wu", default="", help="0,1: a chunk's states carried by M (0) or by W and U (1, "
                    "CARRY_WU)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
@@ -138,15 +141,17 @@ def main(argv=None) -> int:
     wus = [a.D in kp.CARRY_WU] if not a.carry_wu else [bool(int(x)) for x in a.carry_wu.split(",")]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
     default_wu = set(kp.CARRY_WU)
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu) for BL in blocks for R in chunks for uw in ut_warps for ws in attn
-            for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
-            for kt in (tiles if sp else [default_tile]) for wu in wus]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu in grid:
-        def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls):
+    variants = [dict(tuple(kv.split("=")) for kv in v.split()) for v in a.launch] or [{}]
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, lv) for BL in blocks for R in chunks for uw in ut_warps
+            for ws in attn for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
+            for kt in (tiles if sp else [default_tile]) for wu in wus for lv in variants]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, lv in grid:
+        def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls, lv=lv):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
             over = {} if new is None else dict(num_warps=new[0], num_stages=new[1])
-            return default_launch(name, D) | over
+            given = {k.split(".")[1]: int(v) for k, v in lv.items() if k.split(".")[0] == name}
+            return default_launch(name, D) | over | given
         kp.launch, kp.UT_WARPS = patched, uw
         kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
         kp.CARRY_WU = default_wu | {a.D} if wu else default_wu - {a.D}
@@ -154,6 +159,7 @@ def main(argv=None) -> int:
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
                  f" split={int(sp)} carry_wu={int(wu)}"
+                 + (" launch=" + ",".join(f"{k}={v}" for k, v in lv.items()) if lv else "")
                  + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
         try:

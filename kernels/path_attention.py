@@ -69,10 +69,10 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 # LAUNCH holds what differs from DEFAULT per head dim.
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
-               chunk=dict(num_warps=4, num_stages=3))
+               dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
-                    chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8))}
+                    chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
 
 
 # Head dims whose backward scores the later chunks' query blocks in a kernel of its own (`_bwd_dkl`,
@@ -87,6 +87,11 @@ DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (
 # earlier chunk by its PL in fp16: the same products, half the bytes at D = 128. Opt-in until measured
 # on a GPU (docs/perf/path.md); float32 inputs always take M and PL in float32.
 CARRY_WU: set[int] = set()
+
+# Head dims whose backward forms each block's D x D sums, dM and its share of dPL, in a kernel of its own
+# (`_bwd_dm`, nothing else in registers) instead of inside `_bwd_dkv`, which then holds only the BL x D
+# gradients: it reads the stored query states once more. Opt-in until measured on a GPU (docs/perf/path.md).
+SPLIT_DM: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -339,13 +344,53 @@ def _bwd_dkl(QL, KL, V, G, DO, LSE, DELTA, DKLP, DVP, DGP, T, n_blocks, n_inter,
 
 
 @triton.jit
+def _dpl_share(QL, XL, DPL, m, b, bh, dd, tile, n_blocks, n_inter, D: tl.constexpr, BL: tl.constexpr,
+               R: tl.constexpr, PREC16: tl.constexpr):
+    """Block m's share of dPL_b: the query blocks i of later chunks with i = m (mod R)."""
+    dpl = tl.zeros([D, D], dtype=tl.float32)
+    for i in range(b * R + R + m % R, n_blocks, R):
+        at = (bh * n_inter + _inter(i, R) + b) * BL * D + tile
+        dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
+    tl.store(DPL + dd, dpl)
+
+
+@triton.jit
+def _bwd_dm(QS, QL, XS, XL, KH, SUF, DKLP, DKL, DM, DPL, T, n_blocks, n_intra, n_inter, D: tl.constexpr,
+            BL: tl.constexpr, R: tl.constexpr, FOLD: tl.constexpr, PREC16: tl.constexpr):
+    """SPLIT_DM: block m's dM = -sum Q~^T X over the later query blocks of its chunk, and its share of
+    dPL, each from the states stored for them (what `_bwd_dkv` forms otherwise). With FOLD (`_bwd_dkl`
+    wrote the block's dkL to DKLP, and the Triton chunk backward follows), also the fold of dkL through
+    kL = kh S^T: dkL S over dkL in DKLP (for `_bwd_dkv` to add to dK^) and dkL^T kh to DKL."""
+    m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rc, rd = tl.arange(0, BL), tl.arange(0, D)
+    tile = rc[:, None] * D + rd[None, :]
+    b = m // R
+    dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
+    dp_m = tl.zeros([D, D], dtype=tl.float32)
+    for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
+        at = (bh * n_intra + _intra(i, R) + i - 1 - m) * BL * D + tile
+        dp_m += tl.dot(tl.trans(tl.load(QS + at)), tl.load(XS + at), input_precision=PREC16)
+    tl.store(DM + dd, -dp_m)
+    _dpl_share(QL, XL, DPL, m, b, bh, dd, tile, n_blocks, n_inter, D, BL, R, PREC16)
+    if FOLD:
+        col = bh * T + m * BL + rc
+        kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        dkl16 = tl.load(DKLP + col[:, None] * D + rd[None, :]).to(kh.dtype)
+        fold = tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
+        tl.store(DKL + dd, tl.dot(tl.trans(dkl16), kh, input_precision=PREC16))
+        tl.store(DKLP + col[:, None] * D + rd[None, :], fold)
+
+
+@triton.jit
 def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV_, DM, DPL, DGK, DKLP, DVP, DGP,
              T, n_blocks, n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
              R: tl.constexpr, HAS_G: tl.constexpr, FOLD_KL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-             PREC16: tl.constexpr):
+             PREC16: tl.constexpr, SPLIT_M: tl.constexpr = False, FOLDED: tl.constexpr = False):
     """Without FOLD_KL it writes dK^ and dkL (float32, BL x D per block); with FOLD_KL (the Triton chunk
     backward follows) it takes dkL through kL = kh S^T itself, with this block's suffix product S
-    (SUF): dK^ + dkL S in kh's dtype to DKH, and the gradient of S, dkL^T kh (D x D), to DKL."""
+    (SUF): dK^ + dkL S in kh's dtype to DKH, and the gradient of S, dkL^T kh (D x D), to DKL. With
+    SPLIT_M, `_bwd_dm` writes dM and the dPL share instead; with FOLDED it also made the fold, and DKLP
+    holds dkL S."""
     m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd, rv = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV)
     tile = rc[:, None] * D + rd[None, :]
@@ -368,25 +413,23 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
     b = m // R
     dd = ((bh * n_blocks + m) * D + rd[:, None]) * D + rd[None, :]
     dk = tl.zeros([BL, D], dtype=tl.float32)
-    dp_m = tl.zeros([D, D], dtype=tl.float32)
+    if not SPLIT_M:
+        dp_m = tl.zeros([D, D], dtype=tl.float32)
     for i in range(m + 1, tl.minimum(b * R + R, n_blocks)):
         at = (bh * n_intra + _intra(i, R) + i - 1 - m) * BL * D + tile
         qs = tl.load(QS + at)
         dst, dv, dg = _dkv_pair(qs, kh, v, DO, LSE, DELTA, G, gk, bh * T + i * BL + rc, rv, qk_scale, dv, dg,
                                 HAS_G, DV, PREC16)
         dk += scale * tl.dot(dst.to(qs.dtype), qs, input_precision=PREC16)
-        dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
-    # each D x D sum is stored as soon as it is complete, so that no two are held in registers at once
-    tl.store(DM + dd, -dp_m)                                                  # dM = -dP (P = I - M)
-    # this block's share of dPL_b: the query blocks i of later chunks with i = m (mod R)
-    dpl = tl.zeros([D, D], dtype=tl.float32)
-    for i in range(b * R + R + m % R, n_blocks, R):
-        at = (bh * n_inter + _inter(i, R) + b) * BL * D + tile
-        dpl += tl.dot(tl.trans(tl.load(QL + at)), tl.load(XL + at), input_precision=PREC16)
-    tl.store(DPL + dd, dpl)
+        if not SPLIT_M:
+            dp_m += tl.dot(tl.trans(qs), tl.load(XS + at), input_precision=PREC16)
+    if not SPLIT_M:
+        # each D x D sum is stored as soon as it is complete, so that no two are held in registers at once
+        tl.store(DM + dd, -dp_m)                                              # dM = -dP (P = I - M)
+        _dpl_share(QL, XL, DPL, m, b, bh, dd, tile, n_blocks, n_inter, D, BL, R, PREC16)
     # the query blocks of later chunks: keys kL, one state per (query block, chunk)
     if SPLIT:                                       # scored by _bwd_dkl, which ran first
-        dkl = tl.load(DKLP + col[:, None] * D + rd[None, :])
+        dkl = tl.load(DKLP + col[:, None] * D + rd[None, :])                  # (dkL S with FOLDED)
         dv += tl.load(DVP + col[:, None] * DV + rv[None, :])
         if HAS_G:
             dg += tl.load(DGP + col)
@@ -394,7 +437,9 @@ def _bwd_dkv(QS, QL, XS, XL, KH, KL, V, SD, G, SUF, DO, LSE, DELTA, DKH, DKL, DV
         dkl, dv, dg = _later_chunks(QL, tl.load(KL + col[:, None] * D + rd[None, :]), v, DO, LSE, DELTA, G, gk, b,
                                     bh, T, n_blocks, n_inter, qk_scale, scale, tl.zeros([BL, D], dtype=tl.float32),
                                     dv, dg, D, DV, BL, R, HAS_G, PREC16)
-    if FOLD_KL:
+    if FOLDED:                                      # _bwd_dm folded it and stored DKL
+        dk += dkl
+    elif FOLD_KL:
         dkl16 = dkl.to(kh.dtype)   # 16-bit products: faster than TF32 (docs/perf/path.md)
         dk += tl.dot(dkl16, _square(SUF, bh * n_blocks + m, rd, D).to(kh.dtype), input_precision=PREC16)
         tl.store(DKL + dd, tl.dot(tl.trans(dkl16), kh, input_precision=PREC16))
@@ -787,9 +832,15 @@ class PathScan(torch.autograd.Function):
                                                HAS_G=has_g, PREC16=prec16, **launch("dkl", D))
         else:
             dklp = dvp = dgp = lse                              # not read
+        split_m = D in SPLIT_DM
+        folded = split_m and split and fold_kl                  # _bwd_dm folds dkL too: _bwd_dkv holds no D x D
+        if split_m:                                             # the D x D sums in a kernel of their own
+            _bwd_dm[(n, BH)](qs, ql, xs, xl, kh, suf_arg, dklp if split else lse, dkl, dmb, dpl, T, n, n_intra,
+                             n_inter, D=D, BL=BL, R=R, FOLD=folded, PREC16=prec16, **launch("dm", D))
         _bwd_dkv[(n, BH)](qs, ql, xs, xl, kh, kl, v, sd, G if has_g else lse, suf_arg, do, lse,
                           delta, dkh, dkl, dv, dmb, dpl, dgk, dklp, dvp, dgp, T, n, n_intra, n_inter,
-                          scale * LOG2E.value, scale, FOLD_KL=fold_kl, SPLIT=split, **meta, **launch("dkv", D))
+                          scale * LOG2E.value, scale, FOLD_KL=fold_kl, SPLIT=split, SPLIT_M=split_m,
+                          FOLDED=folded, **meta, **launch("dkv", D))
         if fold_kl:                                             # Triton: the chunk backward sums it all
             dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R)
         else:                                                # PyTorch: autograd through chunk_products

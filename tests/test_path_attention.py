@@ -193,6 +193,23 @@ def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeyp
     check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
 
 
+@pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(97, 16, 16, 3, torch.float32, 1e-4),
+                                                     (97, 32, 16, 2, torch.float16, 2e-2),
+                                                     (40, 128, 16, 4, torch.float16, 2e-2)])
+@pytest.mark.parametrize("gate,split", [(False, False), (True, False), (True, True)])
+def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtype, tol, gate, split, monkeypatch):
+    """kernels.path_attention.SPLIT_DM: `_bwd_dm` forms each block's dM and its share of dPL, `_bwd_dkv` the
+    rest; with the later chunks in `_bwd_dkl` as well (SPLIT_DKL) and the Triton chunk backward (16 bits),
+    `_bwd_dm` also folds dkL through the suffix products. Every gradient still matches the float64
+    reference (several chunks: dPL's shares are summed)."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "SPLIT_DM", {D})
+    monkeypatch.setattr(kp, "SPLIT_DKL", {D} if split else set())
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=DEV, seed=T + D + 2)
+    do = torch.randn(1, 2, T, D, device=DEV)
+    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), tol)
+
+
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
 @pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):
@@ -307,6 +324,19 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
     monkeypatch.setattr(kp, "CARRY_WU", {128})
     xs = make_inputs(1, 2, T, 128, gate=True, dtype=dtype, device="cuda", seed=T + 3)
     do = torch.randn(1, 2, T, 128, device="cuda")
+    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
+    """SPLIT_DM compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "SPLIT_DM", {D})
+    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D + 5)
+    do = torch.randn(1, 2, 1100, D, device="cuda")
     check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
 
 

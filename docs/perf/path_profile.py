@@ -5,10 +5,12 @@ settings are fastest at a given head dim.
     python docs/perf/path_profile.py --D 128 --H 16 --sweep 4x1,4x3,8x1,8x3 --blocks 32,64
     python docs/perf/path_profile.py --D 128 --H 16 --split 0,1 --dkl 4x3,8x3 --dkl-tile 1,2   # _bwd_dkl
     python docs/perf/path_profile.py --D 128 --H 16 --carry-wu 0,1             # states carried by W and U
+    python docs/perf/path_profile.py --D 128 --H 16 --split-dm 0,1             # dM and dPL in _bwd_dm
     python docs/perf/path_profile.py --D 128 --carry-wu 1 --launch "" --launch "fwd.num_stages=2 dq.IS=2"
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
-the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not) it prints the median fwd+bwd time
+the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not, SPLIT_DM or not) it
+prints the median fwd+bwd time
 (triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
 registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position
 encoding) at the same shape is timed in the same process. Run it from the repository root; the
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kernels.path_attention as kp  # noqa: E402
 import path_attention as pa  # noqa: E402
 
-TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkl", "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
+TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkl", "_bwd_dm", "_bwd_dkv", "_chunk_fwd",
+                  "_chunk_bwd")
 
 
 def inputs(B, H, T, D, dtype, gate, device="cuda"):
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--dkl-tile", default="", help="key blocks per _bwd_dkl program to try (default: DKL_TILE)")
     p.add_argument("--launch", action="append", default=[], help="launch settings over LAUNCH[D], one variant "
                    "each: 'KERNEL.KEY=VALUE ...' (e.g. 'fwd.num_stages=2 dq.IS=2'; '' for LAUNCH as it is)")
+    p.add_argument("--split-dm", default="", help="0,1: dM and dPL inside _bwd_dkv (0) or in _bwd_dm (1, SPLIT_DM)")
     p.add_argument("--carry-wu", default="", help="0,1: a chunk's states carried by M (0) or by W and U (1, "
                    "CARRY_WU)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
@@ -139,13 +143,14 @@ def main(argv=None) -> int:
     dkl = [None] if not a.dkl else [tuple(int(x) for x in s.split("x")) for s in a.dkl.split(",")]
     tiles = [kp.DKL_TILE] if not a.dkl_tile else [int(x) for x in a.dkl_tile.split(",")]
     wus = [a.D in kp.CARRY_WU] if not a.carry_wu else [bool(int(x)) for x in a.carry_wu.split(",")]
+    dms = [a.D in kp.SPLIT_DM] if not a.split_dm else [bool(int(x)) for x in a.split_dm.split(",")]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
-    default_wu = set(kp.CARRY_WU)
+    default_wu, default_dm = set(kp.CARRY_WU), set(kp.SPLIT_DM)
     variants = [dict(tuple(kv.split("=")) for kv in v.split()) for v in a.launch] or [{}]
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, lv) for BL in blocks for R in chunks for uw in ut_warps
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, lv) for BL in blocks for R in chunks for uw in ut_warps
             for ws in attn for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
-            for kt in (tiles if sp else [default_tile]) for wu in wus for lv in variants]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, lv in grid:
+            for kt in (tiles if sp else [default_tile]) for wu in wus for dm in dms for lv in variants]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, lv in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls, lv=lv):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
@@ -155,10 +160,11 @@ def main(argv=None) -> int:
         kp.launch, kp.UT_WARPS = patched, uw
         kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
         kp.CARRY_WU = default_wu | {a.D} if wu else default_wu - {a.D}
+        kp.SPLIT_DM = default_dm | {a.D} if dm else default_dm - {a.D}
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
-                 f" split={int(sp)} carry_wu={int(wu)}"
+                 f" split={int(sp)} carry_wu={int(wu)} split_dm={int(dm)}"
                  + (" launch=" + ",".join(f"{k}={v}" for k, v in lv.items()) if lv else "")
                  + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
@@ -177,7 +183,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
     kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
-    kp.CARRY_WU = default_wu
+    kp.CARRY_WU, kp.SPLIT_DM = default_wu, default_dm
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

@@ -65,6 +65,18 @@ def check(got, want, names, tol):
                                             f"mean {diff.mean().item():.3e}, allowed {bound:.3e}")
 
 
+def check_with(monkeypatch, options, T, D, dtype, tol, seed, gate=True, device=None, **kw):
+    """With kernels.path_attention's module options set (name -> value), the Triton path's output and
+    gradients against the float64 reference on one random input of batch 1 and 2 heads."""
+    import kernels.path_attention as kp
+    for name, value in options.items():
+        monkeypatch.setattr(kp, name, value)
+    device = device or DEV
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=seed)
+    do = torch.randn(1, 2, T, D, device=device)
+    check(run(path_attention_triton, xs, do, **kw), reference(xs, do), names_for(xs), tol)
+
+
 def plain(xs, dtype=None):
     return [None if x is None else x.detach().to(dtype or x.dtype) for x in xs]
 
@@ -173,11 +185,7 @@ def test_triton_with_the_later_chunks_in_their_own_kernel(T, D, block, chunk, dt
     two key blocks (chunks of 2 and 4; one block for chunks of 1 and 3), with a last tile that passes
     the last block (T = 97 at BL = 16: 7 blocks), and `_bwd_dkv` adds what it wrote (and, in 16 bits,
     folds it through the Triton chunk products)."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "SPLIT_DKL", {D})
-    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=DEV, seed=T + D)
-    do = torch.randn(1, 2, T, D, device=DEV)
-    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), tol)
+    check_with(monkeypatch, {"SPLIT_DKL": {D}}, T, D, dtype, tol, T + D, gate, block=block, chunk=chunk)
 
 
 @pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 8), (97, 32, 16, 3), (97, 32, 16, 2), (40, 128, 16, 4)])
@@ -186,11 +194,7 @@ def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeyp
     """kernels.path_attention.CARRY_WU: for 16-bit inputs the states of a chunk go through each block's W
     and U in fp16 (Q~ - (Q~ W^T) U forward, X - (X U^T) W backward) instead of M; the outputs and every
     gradient still match the float64 reference (chunks of 8 blocks: the block level alone; of 3 and 4: both)."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "CARRY_WU", {D})
-    xs = make_inputs(1, 2, T, D, gate=gate, dtype=torch.float16, device=DEV, seed=T + D + 1)
-    do = torch.randn(1, 2, T, D, device=DEV)
-    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), 2e-2)
+    check_with(monkeypatch, {"CARRY_WU": {D}}, T, D, torch.float16, 2e-2, T + D + 1, gate, block=block, chunk=chunk)
 
 
 @pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(97, 16, 16, 3, torch.float32, 1e-4),
@@ -202,12 +206,8 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
     rest; with the later chunks in `_bwd_dkl` as well (SPLIT_DKL) and the Triton chunk backward (16 bits),
     `_bwd_dm` also folds dkL through the suffix products. Every gradient still matches the float64
     reference (several chunks: dPL's shares are summed)."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "SPLIT_DM", {D})
-    monkeypatch.setattr(kp, "SPLIT_DKL", {D} if split else set())
-    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=DEV, seed=T + D + 2)
-    do = torch.randn(1, 2, T, D, device=DEV)
-    check(run(path_attention_triton, xs, do, block=block, chunk=chunk), reference(xs, do), names_for(xs), tol)
+    check_with(monkeypatch, {"SPLIT_DM": {D}, "SPLIT_DKL": {D} if split else set()}, T, D, dtype, tol, T + D + 2,
+               gate, block=block, chunk=chunk)
 
 
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
@@ -306,11 +306,7 @@ def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
     """T = 1100 with the default blocks: full chunks and a partial one, so the chunk level runs
     (2 chunks of 512 tokens at D <= 64, 4 of 256 at D = 128); with `split`, the later chunks'
     query blocks are scored in `_bwd_dkl` (SPLIT_DKL)."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "SPLIT_DKL", {D} if split else set())
-    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D)
-    do = torch.randn(1, 2, 1100, D, device="cuda")
-    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+    check_with(monkeypatch, {"SPLIT_DKL": {D} if split else set()}, 1100, D, dtype, tol, D, device="cuda")
 
 
 @pytest.mark.gpu
@@ -320,11 +316,7 @@ def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
 def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
     """CARRY_WU at D = 128 with the default blocks, compiled: the block level alone (T = 97) and with
     the chunk level (T = 1100), gated."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "CARRY_WU", {128})
-    xs = make_inputs(1, 2, T, 128, gate=True, dtype=dtype, device="cuda", seed=T + 3)
-    do = torch.randn(1, 2, T, 128, device="cuda")
-    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+    check_with(monkeypatch, {"CARRY_WU": {128}}, T, 128, dtype, tol, T + 3, device="cuda")
 
 
 @pytest.mark.gpu
@@ -333,11 +325,7 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
     """SPLIT_DM compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
-    import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "SPLIT_DM", {D})
-    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=dtype, device="cuda", seed=D + 5)
-    do = torch.randn(1, 2, 1100, D, device="cuda")
-    check(run(path_attention_triton, xs, do), reference(xs, do), names_for(xs), tol)
+    check_with(monkeypatch, {"SPLIT_DM": {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

@@ -84,14 +84,15 @@ DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (
 # Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
 # by the block's W and U (two BL x D products of fp16 operands, whose 10-bit mantissa is TF32's, for
 # bf16 inputs too: Q~ - (Q~ W^T) U) instead of by the D x D float32 M = W^T U in TF32, and through an
-# earlier chunk by its PL in fp16: the same products, half the bytes at D = 128. Opt-in until measured
-# on a GPU (docs/perf/path.md); float32 inputs always take M and PL in float32.
-CARRY_WU: set[int] = set()
+# earlier chunk by its PL in fp16: the same products, half the bytes at D = 128, where the M carry spills
+# and this was measured faster (docs/perf/path.md); float32 inputs always take M and PL in float32.
+CARRY_WU: set[int] = {128}
 
 # Head dims whose backward forms each block's D x D sums, dM and its share of dPL, in a kernel of its own
 # (`_bwd_dm`, nothing else in registers) instead of inside `_bwd_dkv`, which then holds only the BL x D
-# gradients: it reads the stored query states once more. Opt-in until measured on a GPU (docs/perf/path.md).
-SPLIT_DM: set[int] = set()
+# gradients: it reads the stored query states once more. D = 128, where `_bwd_dkv` spilled and the split was
+# measured faster; at D = 64 it was slower (docs/perf/path.md). The tests run both ways.
+SPLIT_DM: set[int] = {128}
 
 
 def launch(name: str, D: int) -> dict:

@@ -314,9 +314,11 @@ def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
 @pytest.mark.parametrize("T", [97, 1100])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
 def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
-    """CARRY_WU at D = 128 with the default blocks, compiled: the block level alone (T = 97) and with
-    the chunk level (T = 1100), gated."""
-    check_with(monkeypatch, {"CARRY_WU": {128}}, T, 128, dtype, tol, T + 3, device="cuda")
+    """D = 128 with the default blocks, compiled, the carry the default does not take (CARRY_WU flipped: by M
+    where the default carries by W and U), so that both are tested at D = 128 on the GPU: the block level
+    alone (T = 97) and with the chunk level (T = 1100), gated."""
+    import kernels.path_attention as kp
+    check_with(monkeypatch, {"CARRY_WU": kp.CARRY_WU ^ {128}}, T, 128, dtype, tol, T + 3, device="cuda")
 
 
 @pytest.mark.gpu
@@ -324,8 +326,10 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
-    """SPLIT_DM compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
-    check_with(monkeypatch, {"SPLIT_DM": {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
+    """SPLIT_DM flipped (the way the default does not take: `_bwd_dm` at D = 64, dM inside `_bwd_dkv` at 128),
+    compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
+    import kernels.path_attention as kp
+    check_with(monkeypatch, {"SPLIT_DM": kp.SPLIT_DM ^ {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

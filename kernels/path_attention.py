@@ -19,8 +19,8 @@ multiplies each chunk's block products into one D x D matrix PL_b and carries ev
 the end of its chunk (kL); the attention kernels carry a state through P_m with one product, by
 M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW; for the head
 dims of CARRY_WU, two products by W_m and U_m in fp16 instead, and PL_b in fp16, the gradients still
-M's and PL's). A query
-then needs the block products only inside its own chunk; further left it scores a whole chunk of
+M's and PL's; `_bwd_dq` then holds the state's gradient scaled by a power of two per row, `_row_scale`,
+inside fp16's range). A query then needs the block products only inside its own chunk; further left it scores a whole chunk of
 keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
@@ -128,6 +128,16 @@ def n_states(n: int, R: int) -> tuple[int, int]:
 def _square(P, k, rd, D: tl.constexpr):
     """The k-th D x D matrix of P (row-major): M_m or PL_b."""
     return tl.load(P + (k * D + rd[:, None]) * D + rd[None, :])
+
+
+@triton.jit
+def _row_scale(do):
+    """(BL, 1) powers of two that bring each row of do (BL, DV) to a largest entry in [1, 2) (1 for a zero
+    row). Row r of the query-state gradient X is linear in row r of dO, so X times these stays inside
+    fp16's range in the fp16 carries of CARRY_WU (bf16 training's gradients are often far below fp16's
+    smallest normal value, 6e-5), and multiplying back by their inverses is exact."""
+    top = tl.max(tl.abs(do.to(tl.float32)), 1)
+    return tl.where(top > 0, tl.exp2(-tl.floor(tl.log2(tl.maximum(top, 1e-30)))), 1.0)[:, None]
 
 
 @triton.jit
@@ -254,13 +264,16 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
     ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])  # dL/d(logit)
     tl.store(DSD + row[:, None] * BL + rc[None, :], ds.to(DSD.dtype.element_ty))
     dg = tl.sum(ds, 1)
+    # X, kept as X rs: with WU, rs (BL, 1) brings its rows into fp16's range for the carries' products
     x = tl.zeros([BL, D], dtype=tl.float32)
+    rs = _row_scale(do) if WU else 1.0
+    irs, up = 1.0 / rs, scale * rs                                   # exact: powers of two
     # the earlier chunks, left to right: X is stored before PL_b, then carried through it
     a = i // R
     first = bh * n_inter + _inter(i, R)
     for b in range(0, a):
         at = (first + b) * BL * D + tile
-        tl.store(XL + at, x.to(XL.dtype.element_ty))
+        tl.store(XL + at, (x * irs).to(XL.dtype.element_ty))
         qs = tl.load(QL + at)
         pl = _square(PL, bh * n_chunks + b, rd, D)                    # fp16 with WU
         x = tl.dot(x.to(pl.dtype), tl.trans(pl)) if WU else tl.dot(x, tl.trans(pl), input_precision=PREC)
@@ -269,20 +282,20 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
             dg += tl.sum(dsk, 1)
-            x += scale * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
+            x += up * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
     # the earlier blocks of this chunk, left to right
     first = bh * n_intra + _intra(i, R)
     for m in tl.range(a * R, i, num_stages=IS):
         col = bh * T + m * BL + rc
         at = (first + i - 1 - m) * BL * D + tile
-        tl.store(XS + at, x.to(XS.dtype.element_ty))
+        tl.store(XS + at, (x * irs).to(XS.dtype.element_ty))
         qs = tl.load(QS + at)
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
         ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
         dg += tl.sum(ds, 1)
         x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU, True)
-        x += scale * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
-    tl.store(DQH + row[:, None] * D + rd[None, :], x.to(DQH.dtype.element_ty))
+        x += up * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
+    tl.store(DQH + row[:, None] * D + rd[None, :], (x * irs).to(DQH.dtype.element_ty))
     if HAS_G:
         tl.store(DGQ + row, dg)
 

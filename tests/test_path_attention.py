@@ -20,6 +20,8 @@ from path_attention import (FoxAttention, PathAttention, path_attention, path_at
 from model import ModelConfig
 
 triton = pytest.importorskip("triton")
+tl = triton.language
+from kernels.path_attention import _carry, _row_scale  # noqa: E402  (needs triton)
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"  # where the Triton kernel runs (compiled, or the interpreter on CPU)
@@ -323,6 +325,19 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+def test_triton_gpu_small_gradients_in_bf16():
+    """bf16 training's gradients lie far below fp16's normal range, where the carries of CARRY_WU (D = 128's
+    default) compute: with an upstream gradient of 1e-7 every gradient, divided by 1e-7, matches the
+    reference as closely as with one of size 1."""
+    xs = make_inputs(1, 2, 1100, 128, gate=True, dtype=torch.bfloat16, device="cuda", seed=7)
+    do = torch.randn(1, 2, 1100, 128, device="cuda")
+    for size in (1.0, 1e-7):
+        got, want = run(path_attention_triton, xs, do * size), reference(xs, do * size)
+        check([got[0]] + [g / size for g in got[1:]], [want[0]] + [g / size for g in want[1:]], names_for(xs), 6e-2)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
 def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
@@ -436,3 +451,36 @@ def test_fox_gate_is_a_decaying_bias():
 def test_layers_refuse_bidirectional_models():
     with pytest.raises(ValueError, match="causal"):
         PathAttention(ModelConfig(d_model=32, n_heads=2, causal=False))
+
+
+@triton.jit
+def _carry_probe(X, DO, W, U, Y, BL: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr):
+    """One backward carry by W and U (CARRY_WU) of the gradient X, held as `_bwd_dq` holds it: times the row
+    scales of dO (SCALED) or as it is."""
+    rc, rd = tl.arange(0, BL), tl.arange(0, D)
+    x = tl.load(X + rc[:, None] * D + rd[None, :])
+    rs = _row_scale(tl.load(DO + rc[:, None] * D + rd[None, :])) if SCALED else 1.0
+    y = _carry(x * rs, X, W, U, 0, rc, rd, D, "tf32", True, True) * (1.0 / rs)
+    tl.store(Y + rc[:, None] * D + rd[None, :], y)
+
+
+def test_carry_by_w_and_u_keeps_a_small_gradient():
+    """The backward's fp16 carry (X - (X U^T) W) takes X times a power of two per row, from the same row of
+    dO (`_row_scale`): a gradient of 1e-7 per entry, as bf16 training gives (below fp16's smallest normal,
+    6e-5), comes through with the relative error of one of size 1; unscaled it would lose most of its bits."""
+    BL, D = 16, 32
+    gen = torch.Generator().manual_seed(0)
+    w = F.normalize(torch.randn(BL, D, generator=gen, dtype=torch.float64), dim=-1)
+    u = torch.randn(BL, D, generator=gen, dtype=torch.float64) / 4
+    x = torch.randn(BL, D, generator=gen, dtype=torch.float64)
+    want = x - (x @ u.T) @ w                                         # X (I - W^T U)^T
+
+    def carried(size, scaled):
+        dev = DEV
+        y = torch.empty(BL, D, device=dev)
+        _carry_probe[(1,)]((x * size).float().to(dev), (x * size).float().to(dev), w.half().to(dev),
+                           u.half().to(dev), y, BL=BL, D=D, SCALED=scaled)
+        return (y.double().cpu() / size - want).abs().max().item() / want.abs().max().item()
+    assert carried(1.0, True) < 2e-3
+    assert carried(1e-7, True) < 2e-3
+    assert carried(1e-7, False) > 2e-2                               # what the scale is there for

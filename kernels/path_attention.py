@@ -20,8 +20,8 @@ the end of its chunk (kL); the attention kernels carry a state through P_m with 
 M_m (the UT step forms it, so W and U stay there, and the UT backward alone forms dW; for the head
 dims of CARRY_WU, two products by W_m and U_m in fp16 instead, and PL_b in fp16, the gradients still
 M's and PL's; `_bwd_dq` then holds the state's gradient scaled by a power of two per row, `_row_scale`,
-inside fp16's range). A query then needs the block products only inside its own chunk; further left it scores a whole chunk of
-keys with one state and carries that state once per chunk.
+inside fp16's range). A query then needs the block products only inside its own chunk; further left
+it scores a whole chunk of keys with one state and carries that state once per chunk.
 Forward, one program per (query block i in chunk a, batch*head), online softmax as in
 FlashAttention:
 
@@ -93,6 +93,12 @@ CARRY_WU: set[int] = {128}
 # gradients: it reads the stored query states once more. D = 128, where `_bwd_dkv` spilled and the split was
 # measured faster; at D = 64 it was slower (docs/perf/path.md). The tests run both ways.
 SPLIT_DM: set[int] = {128}
+
+# Head dims (of CARRY_WU too) whose `_chunk_fwd` carries the suffix products S through each block by its W and U in
+# fp16 as the attention kernels carry the states (S - (S W^T) U: S is a product of reflections and contractions,
+# entries at most 1), with kL = kh S^T in fp16 too, in one program per chunk instead of panels of rows (the fp16
+# operands leave room for all D rows). Opt-in until timed on a GPU (docs/perf/path.md).
+CHUNK_WU: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -668,13 +674,14 @@ def chunk_products(kh, mb, BL: int, R: int):
 
 
 @triton.jit
-def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
-               R: tl.constexpr, PREC: tl.constexpr):
+def _chunk_fwd(KH, MB, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+               R: tl.constexpr, PREC: tl.constexpr, WU: tl.constexpr):
     """One chunk and one panel of DP rows of the suffix product S, its blocks right to left:
     S = P_{R-1} ... P_{r+1} (D x D, float32) carries the keys of block r to the chunk's end,
     kL_r = kh_r S^T; then S <- S P_r = S - S M_r. Each row of S evolves on its own, so a program
     holds DP rows (DP x D) and writes the DP columns of kL that they give. S is kept per block for
-    the backward; PL = S at the end."""
+    the backward; PL = S at the end. With WU (CHUNK_WU) both products take S in fp16, and S M_r is
+    (S W_r^T) U_r with the block's rows of W and U in fp16."""
     b, bh, p = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rc, rd, rp = tl.arange(0, BL), tl.arange(0, D), p * DP + tl.arange(0, DP)
     dd = rd[:, None] * D + rd[None, :]
@@ -685,10 +692,17 @@ def _chunk_fwd(KH, MB, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.constex
         if m < n_blocks:                                                  # the last chunk may be short
             row = bh * T + m * BL + rc
             tl.store(SUF + (bh * n_blocks + m) * D * D + pd, s)
-            kh = tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float32)
-            kl = tl.dot(kh, tl.trans(s), input_precision=PREC)                           # (BL, DP)
-            tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
-            s = s - tl.dot(s, tl.load(MB + (bh * n_blocks + m) * D * D + dd), input_precision=PREC)
+            if WU:
+                s16 = s.to(tl.float16)
+                kl = tl.dot(tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float16), tl.trans(s16))
+                tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
+                sw = tl.dot(s16, tl.trans(tl.load(W + row[:, None] * D + rd[None, :])))       # (DP, BL)
+                s = s - tl.dot(sw.to(tl.float16), tl.load(U + row[:, None] * D + rd[None, :]))
+            else:
+                kh = tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float32)
+                kl = tl.dot(kh, tl.trans(s), input_precision=PREC)                       # (BL, DP)
+                tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
+                s = s - tl.dot(s, tl.load(MB + (bh * n_blocks + m) * D * D + dd), input_precision=PREC)
     tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + pd, s)
 
 
@@ -732,19 +746,20 @@ def chunk_panel(D: int) -> int:
     return min(D, 64)
 
 
-def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32):
+def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32, wu=None):
     """`chunk_products` in Triton, one program per chunk and panel of rows: kL (in kl_dtype), PL and
     the suffix products S per block (BH, n, D, D), kept for the backward. kh: (BH, T, D) float32 or
-    16 bits, mb: float32."""
+    16 bits, mb: float32. wu: W and U (BH, T, D) in fp16 to carry S by (CHUNK_WU), all D rows a program."""
     BH, T, D = kh.shape
     n = T // BL
     n_chunks = -(-n // R)
-    DP = chunk_panel(D)
+    DP = D if wu else chunk_panel(D)
+    w16, u16 = wu if wu else (mb, mb)                                   # not read without wu
     f32 = dict(device=kh.device, dtype=torch.float32)
     kl, pl = torch.empty(BH, T, D, device=kh.device, dtype=kl_dtype), torch.empty(BH, n_chunks, D, D, **f32)
     suf = torch.empty(BH, n, D, D, **f32)
-    _chunk_fwd[(n_chunks, BH, D // DP)](kh, mb, kl, pl, suf, T, n, D=D, DP=DP, BL=BL, R=R, PREC="tf32",
-                                        **launch("chunk", D))
+    _chunk_fwd[(n_chunks, BH, D // DP)](kh, mb, w16, u16, kl, pl, suf, T, n, D=D, DP=DP, BL=BL, R=R, PREC="tf32",
+                                        WU=bool(wu), **launch("chunk", D))
     return kl, pl, suf
 
 
@@ -783,7 +798,8 @@ class PathScan(torch.autograd.Function):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             khc = None                                       # (their backward needs no kh)
-            kl, pl, suf = chunk_products_fwd(kh, mb, BL, R, v.dtype)
+            kl, pl, suf = chunk_products_fwd(kh, mb, BL, R, v.dtype, (w16, u16) if w16 is not None and D in CHUNK_WU
+                                             else None)
         else:
             khc = kh.float()                                 # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products

@@ -199,6 +199,16 @@ def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeyp
     check_with(monkeypatch, {"CARRY_WU": {D}}, T, D, torch.float16, 2e-2, T + D + 1, gate, block=block, chunk=chunk)
 
 
+@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 3), (97, 32, 16, 2), (40, 128, 16, 2), (40, 128, 16, 4)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_with_the_chunk_products_by_w_and_u(T, D, block, chunk, gate, monkeypatch):
+    """kernels.path_attention.CHUNK_WU (with CARRY_WU): `_chunk_fwd` carries the suffix products through each
+    block's W and U in fp16, all D rows in one program, and forms kL in fp16; the outputs and every gradient
+    still match the float64 reference (the chunk kernels run for 16-bit inputs at D = 32, 64 and 128)."""
+    check_with(monkeypatch, {"CARRY_WU": {D}, "CHUNK_WU": {D}}, T, D, torch.float16, 2e-2, T + D + 3, gate,
+               block=block, chunk=chunk)
+
+
 @pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(97, 16, 16, 3, torch.float32, 1e-4),
                                                      (97, 32, 16, 2, torch.float16, 2e-2),
                                                      (40, 128, 16, 4, torch.float16, 2e-2)])
@@ -321,6 +331,15 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
     alone (T = 97) and with the chunk level (T = 1100), gated."""
     import kernels.path_attention as kp
     check_with(monkeypatch, {"CARRY_WU": kp.CARRY_WU ^ {128}}, T, 128, dtype, tol, T + 3, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
+def test_triton_gpu_chunk_products_by_w_and_u(dtype, tol, monkeypatch):
+    """CHUNK_WU at D = 128 compiled, T = 1100 with the default blocks (3 chunks of 8 blocks of 64, the last
+    partial), gated."""
+    check_with(monkeypatch, {"CHUNK_WU": {128}}, 1100, 128, dtype, tol, 131, device="cuda")
 
 
 @pytest.mark.gpu

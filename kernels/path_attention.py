@@ -97,8 +97,10 @@ SPLIT_DM: set[int] = {128}
 # Head dims (of CARRY_WU too) whose `_chunk_fwd` carries the suffix products S through each block by its W and U in
 # fp16 as the attention kernels carry the states (S - (S W^T) U: S is a product of reflections and contractions,
 # entries at most 1), with kL = kh S^T in fp16 too, in one program per chunk instead of panels of rows (the fp16
-# operands leave room for all D rows). Opt-in until timed on a GPU (docs/perf/path.md).
+# operands leave room for all D rows); CHUNK_WU_BWD: whose `_chunk_bwd` carries dS so (in fp16, row-scaled as
+# `_bwd_dq` does X). Opt-in until timed on a GPU (docs/perf/path.md).
 CHUNK_WU: set[int] = set()
+CHUNK_WU_BWD: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -707,17 +709,19 @@ def _chunk_fwd(KH, MB, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.c
 
 
 @triton.jit
-def _chunk_bwd(MB, SUF, DSK, DPL, DMA, DMO, n_blocks, D: tl.constexpr, DP: tl.constexpr, p, R: tl.constexpr,
-               PREC: tl.constexpr):
+def _chunk_bwd(MB, W, U, SUF, DSK, DPL, DMA, DMO, T, n_blocks, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+               p, R: tl.constexpr, PREC: tl.constexpr, WU: tl.constexpr):
     """The backward of `_chunk_fwd` for the panel of DP rows from p * DP, blocks left to right with
     dS, the gradient of S after block r: dM_r = -S_r^T dS (P = I - M), then dS <- dS P_r^T +
     dkL_r^T kh_r. The rows of dS evolve on their own as the rows of S do; dM_r sums over the panels,
     so the panels run one launch after another, each adding its term to DMA (the attention
     kernels' own dM_r = -dP_r before the first) and writing DMO. dS starts as dPL, the sum of the
     shares in DPL that the chunk's R blocks hold. `_bwd_dkv` has done the rest, which needs one
-    block only: dkL_r^T kh_r (DSK) and dkh_r += dkL_r S_r."""
+    block only: dkL_r^T kh_r (DSK) and dkh_r += dkL_r S_r. With WU (CHUNK_WU_BWD) dS goes through P_r^T as
+    dS - (dS U_r^T) W_r in fp16, scaled by a power of two per row (`_row_scale`) for the products, as `_bwd_dq`
+    carries its X."""
     b, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    rd, rp = tl.arange(0, D), p * DP + tl.arange(0, DP)
+    rd, rp, rc = tl.arange(0, D), p * DP + tl.arange(0, DP), tl.arange(0, BL)
     dd = rd[:, None] * D + rd[None, :]
     pd = rp[:, None] * D + rd[None, :]
     ds = tl.zeros([DP, D], dtype=tl.float32)                                 # (DP, D)
@@ -728,9 +732,16 @@ def _chunk_bwd(MB, SUF, DSK, DPL, DMA, DMO, n_blocks, D: tl.constexpr, DP: tl.co
         m = b * R + r
         if m < n_blocks:
             at = (bh * n_blocks + m) * D * D
-            s, mb = tl.load(SUF + at + pd), tl.load(MB + at + dd)
+            s = tl.load(SUF + at + pd)
             tl.store(DMO + at + dd, tl.load(DMA + at + dd) - tl.dot(tl.trans(s), ds, input_precision=PREC))
-            ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC) + tl.load(DSK + at + pd)
+            if WU:
+                rows = bh * T + m * BL + rc
+                rs = _row_scale(ds)
+                du = tl.dot((ds * rs).to(tl.float16), tl.trans(tl.load(U + rows[:, None] * D + rd[None, :])))
+                ds = ds - tl.dot(du.to(tl.float16), tl.load(W + rows[:, None] * D + rd[None, :])) * (1.0 / rs)
+            else:
+                ds = ds - tl.dot(ds, tl.trans(tl.load(MB + at + dd)), input_precision=PREC)
+            ds += tl.load(DSK + at + pd)
 
 
 def chunk_kernels_apply(D: int, dtype) -> bool:
@@ -763,17 +774,19 @@ def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32, wu=None)
     return kl, pl, suf
 
 
-def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int):
+def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int, wu=None):
     """The gradient of M through `chunk_products_fwd`, given per block (BH, n, D, D): dsk = dkL^T kh
     (the gradient of S through kL = kh S^T), dpl, each block's share of dPL (a chunk's R shares are
     summed here), and dmb, the attention kernels' own dM, to which the chunk's is added. kh's
-    gradient, dkL S, needs no chunk: `_bwd_dkv` adds it."""
+    gradient, dkL S, needs no chunk: `_bwd_dkv` adds it. wu: W and U (BH, T, D) in fp16 (CHUNK_WU_BWD)."""
     BH, n, D, _ = mb.shape
     DP = chunk_panel(D)
+    w16, u16 = wu if wu else (mb, mb)                                   # not read without wu
+    T = w16.shape[1] if wu else n
     dmo = torch.empty_like(mb)
     for p in range(D // DP):                     # the panels' terms of dM add up: one launch each
-        _chunk_bwd[(-(-n // R), BH)](mb, suf, dsk, dpl, dmb if p == 0 else dmo, dmo, n, D=D, DP=DP, p=p, R=R,
-                                     PREC="tf32", **launch("chunk", D))
+        _chunk_bwd[(-(-n // R), BH)](mb, w16, u16, suf, dsk, dpl, dmb if p == 0 else dmo, dmo, T, n, D=D, DP=DP,
+                                     BL=T // n if wu else 16, p=p, R=R, PREC="tf32", WU=bool(wu), **launch("chunk", D))
     return dmo
 
 
@@ -798,8 +811,8 @@ class PathScan(torch.autograd.Function):
         BH, T, D = qh.shape
         if chunk_kernels_apply(D, v.dtype):                  # kL straight in the tensor cores' dtype
             khc = None                                       # (their backward needs no kh)
-            kl, pl, suf = chunk_products_fwd(kh, mb, BL, R, v.dtype, (w16, u16) if w16 is not None and D in CHUNK_WU
-                                             else None)
+            cw = (w16, u16) if w16 is not None and D in CHUNK_WU else None
+            kl, pl, suf = chunk_products_fwd(kh, mb, BL, R, v.dtype, cw)
         else:
             khc = kh.float()                                 # float32, for the chunk products' backward
             with torch.no_grad(), torch.autocast(v.device.type, enabled=False):   # float32 products
@@ -825,7 +838,7 @@ class PathScan(torch.autograd.Function):
                       n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
                       HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, WU=wu, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)
-        ctx.wu = wu
+        ctx.wu, ctx.cw = wu, chunk_kernels_apply(D, v.dtype) and wu and D in CHUNK_WU_BWD
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
         return o
 
@@ -874,7 +887,7 @@ class PathScan(torch.autograd.Function):
                           scale * LOG2E.value, scale, FOLD_KL=fold_kl, SPLIT=split, SPLIT_M=split_m,
                           FOLDED=folded, **meta, **launch("dkv", D))
         if fold_kl:                                             # Triton: the chunk backward sums it all
-            dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R)
+            dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R, (w16, u16) if ctx.cw else None)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):

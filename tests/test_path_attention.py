@@ -199,14 +199,16 @@ def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeyp
     check_with(monkeypatch, {"CARRY_WU": {D}}, T, D, torch.float16, 2e-2, T + D + 1, gate, block=block, chunk=chunk)
 
 
-@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 3), (97, 32, 16, 2), (40, 128, 16, 2), (40, 128, 16, 4)])
+@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 3), (40, 128, 16, 2), (40, 128, 16, 4)])
 @pytest.mark.parametrize("gate", [False, True])
-def test_triton_with_the_chunk_products_by_w_and_u(T, D, block, chunk, gate, monkeypatch):
+@pytest.mark.parametrize("fwd,bwd", [(True, False), (False, True), (True, True)])
+def test_triton_with_the_chunk_products_by_w_and_u(T, D, block, chunk, gate, fwd, bwd, monkeypatch):
     """kernels.path_attention.CHUNK_WU (with CARRY_WU): `_chunk_fwd` carries the suffix products through each
-    block's W and U in fp16, all D rows in one program, and forms kL in fp16; the outputs and every gradient
-    still match the float64 reference (the chunk kernels run for 16-bit inputs at D = 32, 64 and 128)."""
-    check_with(monkeypatch, {"CARRY_WU": {D}, "CHUNK_WU": {D}}, T, D, torch.float16, 2e-2, T + D + 3, gate,
-               block=block, chunk=chunk)
+    block's W and U in fp16, all D rows in one program, and forms kL in fp16; CHUNK_WU_BWD: `_chunk_bwd`
+    carries dS through them (row-scaled). The outputs and every gradient still match the float64 reference
+    (the chunk kernels run for 16-bit inputs at D = 32, 64 and 128)."""
+    check_with(monkeypatch, {"CARRY_WU": {D}, "CHUNK_WU": {D} if fwd else set(), "CHUNK_WU_BWD": {D} if bwd else set()},
+               T, D, torch.float16, 2e-2, T + D + 3, gate, block=block, chunk=chunk)
 
 
 @pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(97, 16, 16, 3, torch.float32, 1e-4),
@@ -337,17 +339,20 @@ def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
 @gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
 def test_triton_gpu_chunk_products_by_w_and_u(dtype, tol, monkeypatch):
-    """CHUNK_WU at D = 128 compiled, T = 1100 with the default blocks (3 chunks of 8 blocks of 64, the last
-    partial), gated."""
-    check_with(monkeypatch, {"CHUNK_WU": {128}}, 1100, 128, dtype, tol, 131, device="cuda")
+    """CHUNK_WU and CHUNK_WU_BWD at D = 128 compiled, T = 1100 with the default blocks (3 chunks of 8 blocks of
+    64, the last partial), gated."""
+    check_with(monkeypatch, {"CHUNK_WU": {128}, "CHUNK_WU_BWD": {128}}, 1100, 128, dtype, tol, 131, device="cuda")
 
 
 @pytest.mark.gpu
 @gpu
-def test_triton_gpu_small_gradients_in_bf16():
+@pytest.mark.parametrize("chunk_wu", [False, True])
+def test_triton_gpu_small_gradients_in_bf16(chunk_wu, monkeypatch):
     """bf16 training's gradients lie far below fp16's normal range, where the carries of CARRY_WU (D = 128's
-    default) compute: with an upstream gradient of 1e-7 every gradient, divided by 1e-7, matches the
-    reference as closely as with one of size 1."""
+    default; and with chunk_wu those of CHUNK_WU_BWD) compute: with an upstream gradient of 1e-7 every
+    gradient, divided by 1e-7, matches the reference as closely as with one of size 1."""
+    import kernels.path_attention as kp
+    monkeypatch.setattr(kp, "CHUNK_WU_BWD", {128} if chunk_wu else set())
     xs = make_inputs(1, 2, 1100, 128, gate=True, dtype=torch.bfloat16, device="cuda", seed=7)
     do = torch.randn(1, 2, 1100, 128, device="cuda")
     for size in (1.0, 1e-7):

@@ -126,6 +126,8 @@ def main(argv=None) -> int:
                    "CARRY_WU)")
     p.add_argument("--chunk-wu", default="", help="0,1: the chunk products' suffix carried by M (0) or by W and U "
                    "in fp16, one program per chunk (1, CHUNK_WU; needs CARRY_WU)")
+    p.add_argument("--chunk-wu-bwd", default="", help="0,1: the chunk backward's dS carried by M (0) or by W and U "
+                   "in fp16 (1, CHUNK_WU_BWD; needs CARRY_WU)")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -147,13 +149,16 @@ def main(argv=None) -> int:
     wus = [a.D in kp.CARRY_WU] if not a.carry_wu else [bool(int(x)) for x in a.carry_wu.split(",")]
     dms = [a.D in kp.SPLIT_DM] if not a.split_dm else [bool(int(x)) for x in a.split_dm.split(",")]
     cws = [a.D in kp.CHUNK_WU] if not a.chunk_wu else [bool(int(x)) for x in a.chunk_wu.split(",")]
+    cbs = [a.D in kp.CHUNK_WU_BWD] if not a.chunk_wu_bwd else [bool(int(x)) for x in a.chunk_wu_bwd.split(",")]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
-    default_wu, default_dm, default_cw = set(kp.CARRY_WU), set(kp.SPLIT_DM), set(kp.CHUNK_WU)
+    default_wu, default_dm, default_cw, default_cb = (set(kp.CARRY_WU), set(kp.SPLIT_DM), set(kp.CHUNK_WU),
+                                                      set(kp.CHUNK_WU_BWD))
     variants = [dict(tuple(kv.split("=")) for kv in v.split()) for v in a.launch] or [{}]
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, lv) for BL in blocks for R in chunks for uw in ut_warps
-            for ws in attn for ks in dkv for cs in chunk for sp in splits for ls in (dkl if sp else [None])
-            for kt in (tiles if sp else [default_tile]) for wu in wus for dm in dms for cw in cws for lv in variants]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, lv in grid:
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, cb, lv) for BL in blocks for R in chunks
+            for uw in ut_warps for ws in attn for ks in dkv for cs in chunk for sp in splits
+            for ls in (dkl if sp else [None]) for kt in (tiles if sp else [default_tile]) for wu in wus for dm in dms
+            for cw in cws for cb in cbs for lv in variants]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, cb, lv in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls, lv=lv):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
@@ -165,10 +170,11 @@ def main(argv=None) -> int:
         kp.CARRY_WU = default_wu | {a.D} if wu else default_wu - {a.D}
         kp.SPLIT_DM = default_dm | {a.D} if dm else default_dm - {a.D}
         kp.CHUNK_WU = default_cw | {a.D} if cw else default_cw - {a.D}
+        kp.CHUNK_WU_BWD = default_cb | {a.D} if cb else default_cb - {a.D}
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
-                 f" split={int(sp)} carry_wu={int(wu)} split_dm={int(dm)} chunk_wu={int(cw)}"
+                 f" split={int(sp)} carry_wu={int(wu)} split_dm={int(dm)} chunk_wu={int(cw)}{int(cb)}"
                  + (" launch=" + ",".join(f"{k}={v}" for k, v in lv.items()) if lv else "")
                  + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
     kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
-    kp.CARRY_WU, kp.SPLIT_DM, kp.CHUNK_WU = default_wu, default_dm, default_cw
+    kp.CARRY_WU, kp.SPLIT_DM, kp.CHUNK_WU, kp.CHUNK_WU_BWD = default_wu, default_dm, default_cw, default_cb
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

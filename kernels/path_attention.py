@@ -804,7 +804,8 @@ class PathScan(torch.autograd.Function):
     as M (P = I - M): w then reaches this function only through M, and its gradient is formed once,
     in the UT backward. w16 and u16 (BH, T, D), given for the head dims of CARRY_WU, are the same
     products' W and U in fp16, which the kernels carry the states of a chunk through instead; the
-    states then go through the chunks' products PL in fp16 as well."""
+    states then go through the chunks' products PL in fp16 as well. For the head dims of CHUNK_WU
+    (CHUNK_WU_BWD) the chunk products' forward (backward) carries through them too."""
 
     @staticmethod
     def forward(ctx, qh, kh, v, mb, sd, G, scale, BL, R, w16=None, u16=None):

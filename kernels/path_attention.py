@@ -686,7 +686,6 @@ def _chunk_fwd(KH, MB, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.c
     (S W_r^T) U_r with the block's rows of W and U in fp16."""
     b, bh, p = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rc, rd, rp = tl.arange(0, BL), tl.arange(0, D), p * DP + tl.arange(0, DP)
-    dd = rd[:, None] * D + rd[None, :]
     pd = rp[:, None] * D + rd[None, :]                                    # this panel's rows of a D x D
     s = tl.where(rp[:, None] == rd[None, :], 1.0, 0.0)                    # (DP, D)
     for t in range(0, R):
@@ -694,17 +693,13 @@ def _chunk_fwd(KH, MB, W, U, KL, PL, SUF, T, n_blocks, D: tl.constexpr, DP: tl.c
         if m < n_blocks:                                                  # the last chunk may be short
             row = bh * T + m * BL + rc
             tl.store(SUF + (bh * n_blocks + m) * D * D + pd, s)
+            kh = tl.load(KH + row[:, None] * D + rd[None, :])
             if WU:
-                s16 = s.to(tl.float16)
-                kl = tl.dot(tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float16), tl.trans(s16))
-                tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
-                sw = tl.dot(s16, tl.trans(tl.load(W + row[:, None] * D + rd[None, :])))       # (DP, BL)
-                s = s - tl.dot(sw.to(tl.float16), tl.load(U + row[:, None] * D + rd[None, :]))
+                kl = tl.dot(kh.to(tl.float16), tl.trans(s.to(tl.float16)))                 # (BL, DP)
             else:
-                kh = tl.load(KH + row[:, None] * D + rd[None, :]).to(tl.float32)
-                kl = tl.dot(kh, tl.trans(s), input_precision=PREC)                       # (BL, DP)
-                tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
-                s = s - tl.dot(s, tl.load(MB + (bh * n_blocks + m) * D * D + dd), input_precision=PREC)
+                kl = tl.dot(kh.to(tl.float32), tl.trans(s), input_precision=PREC)
+            tl.store(KL + row[:, None] * D + rp[None, :], kl.to(KL.dtype.element_ty))
+            s = _carry(s, MB, W, U, bh * n_blocks + m, row, rd, D, PREC, WU)
     tl.store(PL + (bh * tl.num_programs(0) + b) * D * D + pd, s)
 
 
@@ -732,16 +727,14 @@ def _chunk_bwd(MB, W, U, SUF, DSK, DPL, DMA, DMO, T, n_blocks, D: tl.constexpr, 
         m = b * R + r
         if m < n_blocks:
             at = (bh * n_blocks + m) * D * D
-            s = tl.load(SUF + at + pd)
+            s, mb = tl.load(SUF + at + pd), (0.0 if WU else tl.load(MB + at + dd))   # M beside S: as timed
             tl.store(DMO + at + dd, tl.load(DMA + at + dd) - tl.dot(tl.trans(s), ds, input_precision=PREC))
-            if WU:
-                rows = bh * T + m * BL + rc
+            if WU:                                       # dS row-scaled into fp16's range for the products
                 rs = _row_scale(ds)
-                du = tl.dot((ds * rs).to(tl.float16), tl.trans(tl.load(U + rows[:, None] * D + rd[None, :])))
-                ds = ds - tl.dot(du.to(tl.float16), tl.load(W + rows[:, None] * D + rd[None, :])) * (1.0 / rs)
+                ds = _carry(ds * rs, MB, W, U, 0, bh * T + m * BL + rc, rd, D, PREC, WU, True) * (1.0 / rs)
+                ds += tl.load(DSK + at + pd)
             else:
-                ds = ds - tl.dot(ds, tl.trans(tl.load(MB + at + dd)), input_precision=PREC)
-            ds += tl.load(DSK + at + pd)
+                ds = ds - tl.dot(ds, tl.trans(mb), input_precision=PREC) + tl.load(DSK + at + pd)
 
 
 def chunk_kernels_apply(D: int, dtype) -> bool:

@@ -19,6 +19,7 @@ results of each run go to docs/perf/path.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
@@ -99,6 +100,17 @@ def resources():
     return res
 
 
+# The head-dim sets of kernels.path_attention that switch a kernel variant on, by flag: (name, what 0 and 1 mean)
+HEAD_DIM_SETS = {
+    "carry_wu": ("CARRY_WU", "a chunk's states carried by M (0) or by W and U (1, CARRY_WU)"),
+    "split_dm": ("SPLIT_DM", "dM and dPL inside _bwd_dkv (0) or in _bwd_dm (1, SPLIT_DM)"),
+    "chunk_wu": ("CHUNK_WU", "the chunk products' suffix carried by M (0) or by W and U in fp16, one program per "
+                 "chunk (1, CHUNK_WU; needs CARRY_WU)"),
+    "chunk_wu_bwd": ("CHUNK_WU_BWD", "the chunk backward's dS carried by M (0) or by W and U in fp16 (1, "
+                     "CHUNK_WU_BWD; needs CARRY_WU)"),
+}
+
+
 def main(argv=None) -> int:
     import triton.testing
 
@@ -121,13 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--dkl-tile", default="", help="key blocks per _bwd_dkl program to try (default: DKL_TILE)")
     p.add_argument("--launch", action="append", default=[], help="launch settings over LAUNCH[D], one variant "
                    "each: 'KERNEL.KEY=VALUE ...' (e.g. 'fwd.num_stages=2 dq.IS=2'; '' for LAUNCH as it is)")
-    p.add_argument("--split-dm", default="", help="0,1: dM and dPL inside _bwd_dkv (0) or in _bwd_dm (1, SPLIT_DM)")
-    p.add_argument("--carry-wu", default="", help="0,1: a chunk's states carried by M (0) or by W and U (1, "
-                   "CARRY_WU)")
-    p.add_argument("--chunk-wu", default="", help="0,1: the chunk products' suffix carried by M (0) or by W and U "
-                   "in fp16, one program per chunk (1, CHUNK_WU; needs CARRY_WU)")
-    p.add_argument("--chunk-wu-bwd", default="", help="0,1: the chunk backward's dS carried by M (0) or by W and U "
-                   "in fp16 (1, CHUNK_WU_BWD; needs CARRY_WU)")
+    for flag, (_, what) in HEAD_DIM_SETS.items():
+        p.add_argument("--" + flag.replace("_", "-"), default="", help=f"0,1: {what}")
     p.add_argument("--out", default="", help="append one JSON line per setting here")
     a = p.parse_args(argv)
     dtype = torch.bfloat16
@@ -146,19 +153,18 @@ def main(argv=None) -> int:
     splits = [a.D in kp.SPLIT_DKL] if not a.split else [bool(int(x)) for x in a.split.split(",")]
     dkl = [None] if not a.dkl else [tuple(int(x) for x in s.split("x")) for s in a.dkl.split(",")]
     tiles = [kp.DKL_TILE] if not a.dkl_tile else [int(x) for x in a.dkl_tile.split(",")]
-    wus = [a.D in kp.CARRY_WU] if not a.carry_wu else [bool(int(x)) for x in a.carry_wu.split(",")]
-    dms = [a.D in kp.SPLIT_DM] if not a.split_dm else [bool(int(x)) for x in a.split_dm.split(",")]
-    cws = [a.D in kp.CHUNK_WU] if not a.chunk_wu else [bool(int(x)) for x in a.chunk_wu.split(",")]
-    cbs = [a.D in kp.CHUNK_WU_BWD] if not a.chunk_wu_bwd else [bool(int(x)) for x in a.chunk_wu_bwd.split(",")]
+    # every combination of the head-dim sets' values asked for (each set as it is where not asked)
+    defaults = {flag: set(getattr(kp, name)) for flag, (name, _) in HEAD_DIM_SETS.items()}
+    ons = [dict(zip(defaults, c)) for c in itertools.product(*(
+        [a.D in defaults[f]] if not getattr(a, f) else [bool(int(x)) for x in getattr(a, f).split(",")]
+        for f in defaults))]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
-    default_wu, default_dm, default_cw, default_cb = (set(kp.CARRY_WU), set(kp.SPLIT_DM), set(kp.CHUNK_WU),
-                                                      set(kp.CHUNK_WU_BWD))
     variants = [dict(tuple(kv.split("=")) for kv in v.split()) for v in a.launch] or [{}]
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, cb, lv) for BL in blocks for R in chunks
+    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, on, lv) for BL in blocks for R in chunks
             for uw in ut_warps for ws in attn for ks in dkv for cs in chunk for sp in splits
-            for ls in (dkl if sp else [None]) for kt in (tiles if sp else [default_tile]) for wu in wus for dm in dms
-            for cw in cws for cb in cbs for lv in variants]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt, wu, dm, cw, cb, lv in grid:
+            for ls in (dkl if sp else [None]) for kt in (tiles if sp else [default_tile]) for on in ons
+            for lv in variants]
+    for BL, R, uw, ws, ks, cs, sp, ls, kt, on, lv in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls, lv=lv):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
@@ -167,14 +173,12 @@ def main(argv=None) -> int:
             return default_launch(name, D) | over | given
         kp.launch, kp.UT_WARPS = patched, uw
         kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
-        kp.CARRY_WU = default_wu | {a.D} if wu else default_wu - {a.D}
-        kp.SPLIT_DM = default_dm | {a.D} if dm else default_dm - {a.D}
-        kp.CHUNK_WU = default_cw | {a.D} if cw else default_cw - {a.D}
-        kp.CHUNK_WU_BWD = default_cb | {a.D} if cb else default_cb - {a.D}
+        for flag, (name, _) in HEAD_DIM_SETS.items():
+            setattr(kp, name, defaults[flag] | {a.D} if on[flag] else defaults[flag] - {a.D})
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
-                 f" split={int(sp)} carry_wu={int(wu)} split_dm={int(dm)} chunk_wu={int(cw)}{int(cb)}"
+                 f" split={int(sp)} " + " ".join(f"{f}={int(v)}" for f, v in on.items())
                  + (" launch=" + ",".join(f"{k}={v}" for k, v in lv.items()) if lv else "")
                  + (f" dkl={'default' if ls is None else '%dx%d' % ls} dkl_tile={kt}" if sp else ""))
         fn = lambda *x, BL=BL, R=R: pa.path_attention_triton(*x[:5], g=x[5], block=BL, chunk=R)  # noqa: E731
@@ -193,7 +197,8 @@ def main(argv=None) -> int:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
     kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
-    kp.CARRY_WU, kp.SPLIT_DM, kp.CHUNK_WU, kp.CHUNK_WU_BWD = default_wu, default_dm, default_cw, default_cb
+    for flag, (name, _) in HEAD_DIM_SETS.items():
+        setattr(kp, name, defaults[flag])
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")
     for name, seen in resources().items():
         print(f"  {name:10s} {seen}")

@@ -84,9 +84,9 @@ DKL_TILE = 2  # key blocks per `_bwd_dkl` program, where they divide the chunk (
 # Head dims whose 16-bit runs carry a query state (and its gradient) through a block of its own chunk
 # by the block's W and U (two BL x D products of fp16 operands, whose 10-bit mantissa is TF32's, for
 # bf16 inputs too: Q~ - (Q~ W^T) U) instead of by the D x D float32 M = W^T U in TF32, and through an
-# earlier chunk by its PL in fp16: the same products, half the bytes at D = 128, where the M carry spills
-# and this was measured faster (docs/perf/path.md); float32 inputs always take M and PL in float32.
-CARRY_WU: set[int] = {128}
+# earlier chunk by its PL in fp16: the same products, half the bytes at D = 128, where the M carry spills; both
+# head dims measured faster so (docs/perf/path.md); float32 inputs always take M and PL in float32.
+CARRY_WU: set[int] = {64, 128}
 
 # Head dims whose backward forms each block's D x D sums, dM and its share of dPL, in a kernel of its own
 # (`_bwd_dm`, nothing else in registers) instead of inside `_bwd_dkv`, which then holds only the BL x D
@@ -98,8 +98,9 @@ SPLIT_DM: set[int] = {128}
 # fp16 as the attention kernels carry the states (S - (S W^T) U: S is a product of reflections and contractions,
 # entries at most 1), with kL = kh S^T in fp16 too, in one program per chunk instead of panels of rows (the fp16
 # operands leave room for all D rows); CHUNK_WU_BWD: whose `_chunk_bwd` carries dS so (in fp16, row-scaled as
-# `_bwd_dq` does X). Opt-in until timed on a GPU (docs/perf/path.md).
-CHUNK_WU: set[int] = set()
+# `_bwd_dq` does X). D = 128 forward only: `_chunk_fwd` measured faster so, `_chunk_bwd` not (docs/perf/path.md);
+# the tests run both ways.
+CHUNK_WU: set[int] = {128}
 CHUNK_WU_BWD: set[int] = set()
 
 

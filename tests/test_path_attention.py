@@ -325,36 +325,40 @@ def test_triton_gpu_chunk_level(D, dtype, tol, split, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [97, 1100])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
-def test_triton_gpu_carrying_the_states_by_w_and_u(T, dtype, tol, monkeypatch):
-    """D = 128 with the default blocks, compiled, the carry the default does not take (CARRY_WU flipped: by M
-    where the default carries by W and U), so that both are tested at D = 128 on the GPU: the block level
-    alone (T = 97) and with the chunk level (T = 1100), gated."""
+def test_triton_gpu_carrying_the_states_by_w_and_u(D, T, dtype, tol, monkeypatch):
+    """D = 64 and 128 with the default blocks, compiled, the carry the default does not take (CARRY_WU flipped:
+    by M where the default carries by W and U), so that both are tested on the GPU: the block level alone
+    (T = 97) and with the chunk level (T = 1100), gated."""
     import kernels.path_attention as kp
-    check_with(monkeypatch, {"CARRY_WU": kp.CARRY_WU ^ {128}}, T, 128, dtype, tol, T + 3, device="cuda")
+    check_with(monkeypatch, {"CARRY_WU": kp.CARRY_WU ^ {D}}, T, D, dtype, tol, T + 3, device="cuda")
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 6e-2), (torch.float16, 2e-2)])
 def test_triton_gpu_chunk_products_by_w_and_u(dtype, tol, monkeypatch):
-    """CHUNK_WU and CHUNK_WU_BWD at D = 128 compiled, T = 1100 with the default blocks (3 chunks of 8 blocks of
-    64, the last partial), gated."""
-    check_with(monkeypatch, {"CHUNK_WU": {128}, "CHUNK_WU_BWD": {128}}, 1100, 128, dtype, tol, 131, device="cuda")
+    """The chunk products' ways the defaults do not take, at D = 128 compiled, T = 1100 with the default blocks
+    (3 chunks of 8 blocks of 64, the last partial), gated: CHUNK_WU flipped (the suffix carried by M) with
+    CHUNK_WU_BWD on (dS carried by W and U)."""
+    import kernels.path_attention as kp
+    check_with(monkeypatch, {"CHUNK_WU": kp.CHUNK_WU ^ {128}, "CHUNK_WU_BWD": kp.CHUNK_WU_BWD ^ {128}}, 1100, 128,
+               dtype, tol, 131, device="cuda")
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("chunk_wu", [False, True])
-def test_triton_gpu_small_gradients_in_bf16(chunk_wu, monkeypatch):
-    """bf16 training's gradients lie far below fp16's normal range, where the carries of CARRY_WU (D = 128's
-    default; and with chunk_wu those of CHUNK_WU_BWD) compute: with an upstream gradient of 1e-7 every
+@pytest.mark.parametrize("D,chunk_wu", [(64, False), (128, False), (128, True)])
+def test_triton_gpu_small_gradients_in_bf16(D, chunk_wu, monkeypatch):
+    """bf16 training's gradients lie far below fp16's normal range, where the carries of CARRY_WU (the default
+    at D = 64 and 128; and with chunk_wu those of CHUNK_WU_BWD) compute: with an upstream gradient of 1e-7 every
     gradient, divided by 1e-7, matches the reference as closely as with one of size 1."""
     import kernels.path_attention as kp
-    monkeypatch.setattr(kp, "CHUNK_WU_BWD", {128} if chunk_wu else set())
-    xs = make_inputs(1, 2, 1100, 128, gate=True, dtype=torch.bfloat16, device="cuda", seed=7)
-    do = torch.randn(1, 2, 1100, 128, device="cuda")
+    monkeypatch.setattr(kp, "CHUNK_WU_BWD", {D} if chunk_wu else set())
+    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=torch.bfloat16, device="cuda", seed=7)
+    do = torch.randn(1, 2, 1100, D, device="cuda")
     for size in (1.0, 1e-7):
         got, want = run(path_attention_triton, xs, do * size), reference(xs, do * size)
         check([got[0]] + [g / size for g in got[1:]], [want[0]] + [g / size for g in want[1:]], names_for(xs), 6e-2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import signal
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -220,10 +221,15 @@ class TrainBatches(torch.utils.data.Dataset):
         processes, up to 4 batches each ahead. Workers send numpy arrays: one pickled message per
         batch, where torch tensors would each pass a shared-memory file descriptor. Workers ignore
         SIGINT and SIGTERM, which Ctrl-C or `timeout` send to the whole process group: the loop
-        stops at a step with a checkpoint and then stops its workers itself."""
+        stops at a step with a checkpoint and then stops its workers itself. Where fork exists
+        (Linux) the workers are forked, whatever the process's start method: a forked worker starts
+        in milliseconds with the loop's signal handlers, where a spawned one (the default in a process
+        that was itself spawned, as jobs.py's are) spends seconds importing the main module with the
+        default ones, and a signal then kills it, and with it the run."""
         loader = torch.utils.data.DataLoader(
             self, batch_size=None, sampler=range(start, end), num_workers=workers,
             prefetch_factor=4 if workers else None, collate_fn=_to_numpy, worker_init_fn=_ignore_stop_signals,
+            multiprocessing_context=("fork" if sys.platform == "linux" else None) if workers else None,
             generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
         return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
 

@@ -1,4 +1,6 @@
 """Every task: its documented example reproduces exactly, and its invariants hold on random samples."""
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -589,3 +591,29 @@ def test_multipliers_drawn_from_a_range_are_every_length_up_to_the_digits():
     assert torch.equal(mul.sample(50, 5, rng()).x, mul.sample(50, 5, rng(), multiplier_low=0).x)
     with pytest.raises(ValueError, match="multiplier_low must be 0 or from 1 to 999"):
         mul.sample(4, 5, rng(), multiplier_low=1000)
+
+
+def test_data_workers_outlive_a_stop_signal_sent_while_they_start(tmp_path):
+    """Ctrl-C and `timeout` signal the whole process group. A data worker still starting (a spawned one imports
+    the main module, torch with it) must not die of it: the run would fail where it should stop at a step
+    with a checkpoint. Here the signal goes out at once after the workers are started; the loop still gets
+    every batch, and the parent its signal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "main.py"
+    script.write_text(f"""import multiprocessing, os, signal, sys
+sys.path.insert(0, {str(Path(tasks.__file__).parent)!r})
+from tasks import TASKS, TrainBatches
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")
+    got = []
+    signal.signal(signal.SIGINT, lambda s, f: got.append(int(s)))
+    stream = TrainBatches(TASKS["parity"], [2, 3], 4, 0, 6).loader(0, 6, workers=2)
+    os.killpg(0, signal.SIGINT)
+    print(sum(1 for _ in stream), got)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split(None, 1) == ["6", f"[{int(signal.SIGINT)}]\n"], out.stdout

@@ -190,7 +190,8 @@ def test_triton_with_the_later_chunks_in_their_own_kernel(T, D, block, chunk, dt
     check_with(monkeypatch, {"SPLIT_DKL": {D}}, T, D, dtype, tol, T + D, gate, block=block, chunk=chunk)
 
 
-@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 8), (97, 32, 16, 3), (97, 32, 16, 2), (40, 128, 16, 4)])
+@pytest.mark.parametrize("T,D,block,chunk", [(97, 32, 16, 8), (97, 32, 16, 3), (97, 32, 16, 2), (40, 64, 16, 4),
+                                             (40, 128, 16, 4)])
 @pytest.mark.parametrize("gate", [False, True])
 def test_triton_carrying_the_states_by_w_and_u(T, D, block, chunk, gate, monkeypatch):
     """kernels.path_attention.CARRY_WU: for 16-bit inputs the states of a chunk go through each block's W

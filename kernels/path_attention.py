@@ -768,7 +768,7 @@ def chunk_products_fwd(kh, mb, BL: int, R: int, kl_dtype=torch.float32, wu=None)
     return kl, pl, suf
 
 
-def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int, wu=None):
+def chunk_products_bwd(mb, suf, dsk, dpl, dmb, BL: int, R: int, wu=None):
     """The gradient of M through `chunk_products_fwd`, given per block (BH, n, D, D): dsk = dkL^T kh
     (the gradient of S through kL = kh S^T), dpl, each block's share of dPL (a chunk's R shares are
     summed here), and dmb, the attention kernels' own dM, to which the chunk's is added. kh's
@@ -776,11 +776,10 @@ def chunk_products_bwd(mb, suf, dsk, dpl, dmb, R: int, wu=None):
     BH, n, D, _ = mb.shape
     DP = chunk_panel(D)
     w16, u16 = wu if wu else (mb, mb)                                   # not read without wu
-    T = w16.shape[1] if wu else n
     dmo = torch.empty_like(mb)
     for p in range(D // DP):                     # the panels' terms of dM add up: one launch each
-        _chunk_bwd[(-(-n // R), BH)](mb, w16, u16, suf, dsk, dpl, dmb if p == 0 else dmo, dmo, T, n, D=D, DP=DP,
-                                     BL=T // n if wu else 16, p=p, R=R, PREC="tf32", WU=bool(wu), **launch("chunk", D))
+        _chunk_bwd[(-(-n // R), BH)](mb, w16, u16, suf, dsk, dpl, dmb if p == 0 else dmo, dmo, n * BL, n, D=D, DP=DP,
+                                     BL=BL, p=p, R=R, PREC="tf32", WU=bool(wu), **launch("chunk", D))
     return dmo
 
 
@@ -882,7 +881,7 @@ class PathScan(torch.autograd.Function):
                           scale * LOG2E.value, scale, FOLD_KL=fold_kl, SPLIT=split, SPLIT_M=split_m,
                           FOLDED=folded, **meta, **launch("dkv", D))
         if fold_kl:                                             # Triton: the chunk backward sums it all
-            dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, R, (w16, u16) if ctx.cw else None)
+            dmb = chunk_products_bwd(mb, suf, dkl, dpl, dmb, BL, R, (w16, u16) if ctx.cw else None)
         else:                                                # PyTorch: autograd through chunk_products
             dpl = F.pad(dpl, (0, 0, 0, 0, 0, n_chunks * R - n)).view(BH, n_chunks, R, D, D).sum(2)  # R shares
             with torch.enable_grad(), torch.autocast(v.device.type, enabled=False):

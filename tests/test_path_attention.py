@@ -287,7 +287,7 @@ def test_chunk_product_kernels_match_chunk_products(T, D, BL, R, panel, monkeypa
     dm0 = torch.randn(3, n, D, D, generator=gen)                 # dM of each block from elsewhere
     kl, pl, suf = chunk_products_fwd(kh.to(DEV), mb.to(DEV), BL, R)
     dsk = dkl.view(3, n, BL, D).mT @ kh.view(3, n, BL, D)        # dkL^T kh per block
-    dm = chunk_products_bwd(mb.to(DEV), suf, dsk.to(DEV), shares.to(DEV), dm0.to(DEV), R)
+    dm = chunk_products_bwd(mb.to(DEV), suf, dsk.to(DEV), shares.to(DEV), dm0.to(DEV), BL, R)
     dkh = (dkl.view(3, n, BL, D).to(DEV) @ suf).view(3, T, D)    # what _bwd_dkv adds to kh's gradient
     ref = [x.double().requires_grad_(True) for x in (kh, mb)]
     want_kl, want_pl = chunk_products(*ref, BL, R)

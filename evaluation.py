@@ -125,8 +125,9 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     return rows
 
 
-# docs/results keeps each run's metrics.json and train.log gzipped (<name>.gz, docs/perf/compact_results.py), so
-# that a clone stays light; these read a file in either form, the plain one first (a run written since).
+# docs/results keeps each run's metrics.json gzipped (<name>.gz, docs/perf/compact_results.py), with the run's
+# train.log inside it (key "train_log"), so that a clone stays light; these read a file in any of those forms,
+# the plain one first (a run written since).
 
 def stored(path: Path) -> Path | None:
     """`path`, or path + ".gz" where only that exists; None where neither does."""
@@ -138,9 +139,15 @@ def stored(path: Path) -> Path | None:
 
 
 def read_stored(path: Path) -> str:
-    """The text of `path`, plain or gzipped (`stored`); FileNotFoundError naming `path` where neither is."""
+    """The text of `path`, plain or gzipped (`stored`), or for a train.log stored inside its run's metrics.json
+    (its "train_log"); FileNotFoundError naming `path` where none is."""
     found = stored(path)
     if found is None:
+        path = Path(path)
+        if path.name == "train.log" and stored(path.with_name("metrics.json")):
+            log = json.loads(read_stored(path.with_name("metrics.json"))).get("train_log")
+            if isinstance(log, str):
+                return log
         raise FileNotFoundError(f"no {path} (nor {Path(path).name}.gz)")
     return gzip.decompress(found.read_bytes()).decode() if found.name.endswith(".gz") else found.read_text()
 

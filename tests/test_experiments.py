@@ -1,5 +1,6 @@
 """--reproduce: the headline experiments' runs, skips, tables and figures (CPU, tiny settings)."""
 import dataclasses
+import gzip
 import json
 import multiprocessing
 import os
@@ -1487,8 +1488,11 @@ def test_runs_kept_gzipped_read_as_they_were(capsys, tmp_path, monkeypatch):
     table = (out / "reproduce" / "tiny.md").read_text()
     (out / "copy" / "nope" / "seed0" / "train.log").write_text("a run's log\n" * 100)   # as --jobs writes one
     files, before, after = compact_results.compact(out)
-    assert files == 4 + 2 + 1 and after < before and not list(out.rglob("metrics.json"))   # 4 runs, 2 summaries
+    assert files == 4 + 2 and after < before and not list(out.rglob("metrics.json"))   # 4 runs, 2 summaries
+    assert not list(out.rglob("train.log*"))                                             # the log in its metrics
     assert evaluation.read_stored(out / "copy" / "nope" / "seed0" / "train.log") == "a run's log\n" * 100
+    with pytest.raises(FileNotFoundError, match="train.log"):                            # a run without a log
+        evaluation.read_stored(out / "copy" / "nope" / "seed1" / "train.log")
     code, stdout, _ = run_cli(capsys, *args)
     assert code == 0 and "4 runs; 0 to train" in stdout and "other setup" not in stdout
     assert (out / "reproduce" / "tiny.md").read_text() == table
@@ -1500,3 +1504,33 @@ def test_runs_kept_gzipped_read_as_they_were(capsys, tmp_path, monkeypatch):
     assert [r["exact"] for r in experiments.seed_metrics(out / "copy" / "rope")[1]["eval"]] == [0.25]
     assert evaluation.glob_stored(out / "copy" / "rope", "seed*/metrics.json") == \
         [out / "copy" / "rope" / "seed0" / "metrics.json", plain]
+
+
+def test_compaction_moves_a_stored_runs_log_into_its_metrics(tmp_path):
+    """compact_results.merge_log: a run stored before, metrics.json.gz beside train.log.gz, becomes one file
+    holding both, and the log reads as it did; a study's log with no run's metrics beside it stays a file; a
+    run made since (plain metrics.json) does not take an older gzipped log; a summary over seeds takes none."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "perf"))
+    import compact_results
+    old, study, rerun = tmp_path / "old", tmp_path / "study", tmp_path / "rerun"
+    for d in (old, study, rerun):
+        d.mkdir()
+    run = {"config": {"seed": 0}, "eval": [{"name": "1", "exact": 0.5}]}
+    (old / "metrics.json.gz").write_bytes(gzip.compress(json.dumps(run).encode()))
+    (old / "train.log.gz").write_bytes(gzip.compress(b"step 1 | loss 2.0\n"))
+    (study / "train.log").write_text("a study's log\n")
+    (rerun / "metrics.json").write_text(json.dumps(run))
+    (rerun / "train.log.gz").write_bytes(gzip.compress(b"an older run's log\n"))
+    compact_results.compact(tmp_path)
+    assert sorted(p.name for p in old.iterdir()) == ["metrics.json.gz"]
+    assert evaluation.read_stored(old / "train.log") == "step 1 | loss 2.0\n"
+    assert json.loads(evaluation.read_stored(old / "metrics.json"))["eval"] == run["eval"]
+    assert sorted(p.name for p in study.iterdir()) == ["train.log.gz"]
+    assert evaluation.read_stored(study / "train.log") == "a study's log\n"
+    assert sorted(p.name for p in rerun.iterdir()) == ["metrics.json.gz", "train.log.gz"]
+    assert "train_log" not in json.loads(evaluation.read_stored(rerun / "metrics.json"))
+    summary = tmp_path / "summary"
+    summary.mkdir()
+    (summary / "metrics.json").write_text(json.dumps({"seeds": [0, 1], "eval": []}))
+    (summary / "train.log").write_text("not a run's\n")
+    assert not compact_results.merge_log(summary)

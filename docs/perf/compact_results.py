@@ -1,7 +1,8 @@
-"""Keep docs/results light: gzip each run's metrics.json and train.log in place (<name>.gz, the plain file
-removed), a run's curves thinned first. The code reads either form, the plain one first (evaluation.stored,
-read_stored, glob_stored), so a run copied in since, or a table rebuilt there, needs nothing done before it
-is read.
+"""Keep docs/results light: gzip each run's metrics.json in place (metrics.json.gz, the plain file removed), with
+the run's train.log moved inside it (key "train_log": one file a run instead of two, on a disk that gives each
+file 4 KB at least), a run's curves thinned first; a train.log with no run's metrics beside it (a study's) is
+gzipped alone. The code reads every form, the plain one first (evaluation.stored, read_stored, glob_stored), so a
+run copied in since, or a table rebuilt there, needs nothing done before it is read.
 
 Every evaluation a run made is kept as it is (its rows, its evaluations during training); its curves, which no
 table reads, are thinned to at most CURVE_POINTS points: the loss every k-th logged point (and the last), its
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from evaluation import json_text, palette_png, read_stored  # noqa: E402
+from evaluation import json_text, palette_png, read_stored, stored  # noqa: E402
 
 NAMES = ("metrics.json", "train.log")
 CURVE_POINTS = 200
@@ -47,15 +48,39 @@ def thin(m: dict) -> dict:
     return out
 
 
+def merge_log(folder: Path) -> bool:
+    """Move the run's train.log in `folder` into its metrics.json (written plain, "train_log"), removing the log;
+    a plain log goes into either form of the metrics, a gzipped one into gzipped metrics only (a plain
+    metrics.json is a run made since, which the old log does not belong to). False where there is nothing to
+    move, or the metrics are not one run's (a summary over seeds, a study's own file)."""
+    plain_log, gz_log = folder / "train.log", folder / "train.log.gz"
+    metrics = stored(folder / "metrics.json")
+    if metrics is None or not (plain_log.exists() or (gz_log.exists() and metrics.name.endswith(".gz"))):
+        return False
+    m = json.loads(read_stored(folder / "metrics.json"))
+    if not isinstance(m, dict) or "config" not in m:
+        return False
+    m["train_log"] = plain_log.read_text() if plain_log.exists() else read_stored(gz_log)
+    tmp = folder / "metrics.json.tmp"
+    tmp.write_text(json_text(m))
+    os.replace(tmp, folder / "metrics.json")  # the log goes only once the metrics that hold it are whole
+    for log in (plain_log, gz_log):
+        log.unlink(missing_ok=True)
+    return True
+
+
 def compact(root: Path, rethin: bool = False) -> tuple[int, int, int]:
-    """Gzip every NAMES file under root (a .gz beside it is replaced), and with rethin every metrics.json.gz
-    already there again, thinned; every figure as a palette image; returns (files, bytes before, after)."""
+    """Move each run's train.log into its metrics (`merge_log`), gzip every NAMES file under root (a .gz beside
+    it is replaced), and with rethin every metrics.json.gz already there again, thinned; every figure as a
+    palette image; returns (files, bytes before, after)."""
     files, before, after = 0, 0, 0
     if rethin:
         for gz in sorted(root.rglob("metrics.json.gz")):
             plain = gz.with_name("metrics.json")
             if not plain.exists():
                 plain.write_text(read_stored(plain))
+    for log in sorted({*root.rglob("train.log"), *root.rglob("train.log.gz")}):
+        merge_log(log.parent)
     for path in sorted(p for name in NAMES for p in root.rglob(name) if p.is_file()):
         data = path.read_bytes()
         if path.name == "metrics.json":

@@ -330,8 +330,10 @@ class CopyHead(nn.Module):
 
 
 def reachable_bins(P: int, T: int) -> int:
-    """The bins a cursor can reach in T steps (T + 1 counts, rounded up to 32), at most the P it has."""
-    return min(P, -(-(T + 1) // 32) * 32)
+    """The bins a cursor can reach in T steps (T + 1 counts, rounded up to 8), at most the P it has. Batches
+    come padded to a multiple of 32 tokens on a GPU (train.Step), so T + 1 is one past such a multiple: 8
+    keeps the products' widths aligned and adds 7 bins, where 32 would add 31 (128 bins for 96 tokens)."""
+    return min(P, -(-(T + 1) // 8) * 8)
 
 
 class PrismHooks(Hooks):
@@ -342,7 +344,7 @@ class PrismHooks(Hooks):
     A cursor moves at most one bin a token, and a copy jumps to bin s + 1 for a token s <= t, so after
     T tokens it holds mass only in bins 0..T; the bins past those hold the sharpening's eps alone
     (about eps^gamma each, far below float32's resolution of the others' sum). The scan and the
-    scores therefore run on the first T + 1 bins only (rounded up to a multiple of 32): the same
+    scores therefore run on the first T + 1 bins only (rounded up to a multiple of 8): the same
     scores to float32 rounding, in a fraction of the work when P is far above T.
 
     With prism_copy, query cursor 0 of every head gets the copy branch, and its paired key cursor

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import prism
-from prism import histogram_scan, histogram_scan_naive, histogram_step, histogram_step_naive
+from prism import histogram_scan, histogram_scan_naive, histogram_step, histogram_step_naive, reachable_bins
 
 
 def gates(B, N, T, dtype=torch.float64, seed=0, copy_P=None):
@@ -363,20 +363,27 @@ def test_scores_through_the_gram_matrix_on_cuda_at_the_papers_size(monkeypatch, 
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_the_scores_from_the_reachable_bins_equal_those_from_all_bins(copy):
-    """The hooks scan only the bins a cursor can reach in T tokens (T + 1, rounded up to 32), the copy
+    """The hooks scan only the bins a cursor can reach in T tokens (T + 1, rounded up to 8), the copy
     branch included: the scores equal Algorithms 2-4 on the scan over all P = 128 bins, float32 rounding."""
     torch.manual_seed(0)
     hooks = PrismHooks(prism_cfg(prism_bins=128, prism_copy=copy))
     h, ctx = torch.randn(2, 20, 32), {}
     hooks.before_block(0, h, ctx)
-    assert ctx["prism_hist"].shape[-1] == 32
+    assert ctx["prism_hist"].shape[-1] == 24                      # 21 reachable bins, rounded up to 8
     gamma = 1 + torch.nn.functional.softplus(hooks.gamma_raw[0])[None]
     p_copy = hooks.copy_probs(0, h, 128) if copy else None
     full = histogram_scan(*ctx["prism_gates"], gamma, 128, p_copy)              # (B, 2 H O, T, 128)
-    assert float(full[..., 32:].sum(-1).max().detach()) < 1e-8    # the eps mass alone, ~eps^gamma a bin
+    assert float(full[..., 24:].sum(-1).max().detach()) < 1e-8    # the eps mass alone, ~eps^gamma a bin
     alpha = torch.rand(2, 4) + 0.5
     want = reference_scores(full, sinusoid_table(128, 8), 2, alpha)
     assert torch.allclose(mix_cursors(ctx["prism_scores"], alpha), want, atol=1e-4)
+
+
+def test_reachable_bins_count_every_bin_a_cursor_can_reach():
+    """T tokens reach bins 0..T (T + 1 of them), rounded up to 8 and at most the bins there are: a batch padded
+    to 96 tokens takes 104 bins, not 128."""
+    assert [reachable_bins(256, T) for T in (7, 8, 20, 95, 96, 127)] == [8, 16, 24, 96, 104, 128]
+    assert reachable_bins(100, 127) == 100 and reachable_bins(1280, 1000) == 1008
 
 
 def prism_cfg(causal=True, **opts):
@@ -410,7 +417,7 @@ def test_position_path_stays_float32_under_bf16_autocast():
         hooks.before_block(0, x, ctx)
         got = layer.weights(q, k, ctx)
     assert ctx["prism_scores"].dtype == torch.float32 and got.dtype == torch.float32
-    want = reference_scores(ctx["prism_hist"].float(), sinusoid_table(32, 8), 2, layer.alpha)   # float32 throughout
+    want = reference_scores(ctx["prism_hist"].float(), sinusoid_table(16, 8), 2, layer.alpha)  # float32, 16 bins
     assert torch.allclose(mix_cursors(ctx["prism_scores"], layer.alpha), want, atol=1e-5)
     assert torch.allclose(got, layer.weights(q, k, ctx), atol=1e-6)
 

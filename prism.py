@@ -180,22 +180,30 @@ def cursor_scores(hist, gram, H: int, d: int):
     of the normalised streams. With g = h F (Algorithm 2) every inner product of two streams is one of
     histograms through the Gram matrix F F^T, <g, g'> = h (F F^T) h'^T, norms included, so the
     d-wide streams are never formed (fewer operations and far less memory while P is below about 1.5 d).
-    hist: (B, 2 H O, T, P), the query cursors then the key cursors; gram: (P, P), the table's width d
-    -> (B, H, O, T, T): d <g_q, g_k> / (|g_q| |g_k|) / sqrt(O d), the norms over a head's cursors.
+    hist: (2, B, H O, T, P), the query cursors (side 0) and the key cursors (side 1), each side one block
+    of memory, so that the products read either side without copying it; gram: (P, P), the table's width
+    d -> (B, H, O, T, T): d <g_q, g_k> / (|g_q| |g_k|) / sqrt(O d), the norms over a head's cursors.
     Every block between two position updates reads these with its own alpha (`mix_cursors`)."""
-    B, N, T, P = hist.shape
-    O = N // (2 * H)
+    _, B, HO, T, P = hist.shape
+    O = HO // H
     # the kernels' products: TF32 on a GPU, taken there under --tf32 alone; float32 through the interpreter
     precision_ok = torch.backends.cuda.matmul.allow_tf32 or not hist.is_cuda
     if SCORES_BACKEND == "triton" and P <= SCORES_KERNEL_BINS and precision_ok:
         from kernels.prism_scores import cursor_dots_triton
         dots, sq = cursor_dots_triton(hist, gram, H)                      # the same, h G kept in registers
     else:
-        hg = hist @ gram                                                  # h F F^T: (B, 2 H O, T, P)
+        hg = hist @ gram                                                  # h F F^T: (2, B, H O, T, P)
         sq = (hg * hist).sum(-1)                                          # |g|^2 of each cursor
-        dots = hg[:, :N // 2].view(B, H, O, T, P) @ hist[:, N // 2:].view(B, H, O, T, P).transpose(-1, -2)
-    norm = sq.view(B, 2, H, O, T).sum(3).clamp(min=1e-12).sqrt()          # Algorithm 3, over (O, d): (B, 2, H, T)
-    return dots * (d / O) ** 0.5 / (norm[:, 0, :, None, :, None] * norm[:, 1, :, None, None, :])
+        dots = hg[0].reshape(B, H, O, T, P) @ hist[1].reshape(B, H, O, T, P).transpose(-1, -2)
+    norm = sq.view(2, B, H, O, T).sum(3).clamp(min=1e-12).sqrt()          # Algorithm 3, over (O, d): (2, B, H, T)
+    return dots * (d / O) ** 0.5 / (norm[0][:, :, None, :, None] * norm[1][:, :, None, None, :])
+
+
+def sides_first(x):
+    """(B, 2 H O, ...) per cursor, the query cursors then the key cursors -> (2 B, H O, ...): the query
+    cursors of every sequence, then the key cursors (the layout `cursor_scores` reads)."""
+    B, N = x.shape[:2]
+    return x.view(B, 2, N // 2, *x.shape[2:]).transpose(0, 1).reshape(2 * B, N // 2, *x.shape[2:])
 
 
 def mix_cursors(scores, alpha):
@@ -339,7 +347,8 @@ def reachable_bins(P: int, T: int) -> int:
 class PrismHooks(Hooks):
     """Computes the position streams before the chosen blocks and leaves each cursor's position
     scores in ctx for every following block: ctx["prism_scores"] (B, H, O, T, T) (`cursor_scores`);
-    ctx["prism_hist"] and ctx["prism_gates"] keep the histograms and gates for plots.
+    ctx["prism_hist"] (2, B, H O, T, P: the query cursors, then the key cursors) and ctx["prism_gates"]
+    (4 x (B, 2 H O, T)) keep the histograms and gates for plots.
 
     A cursor moves at most one bin a token, and a copy jumps to bin s + 1 for a token s <= t, so after
     T tokens it holds mass only in bins 0..T; the bins past those hold the sharpening's eps alone
@@ -377,9 +386,9 @@ class PrismHooks(Hooks):
     def before_block(self, i, h, ctx):
         if i not in self.blocks:
             return
-        k, T = self.blocks.index(i), h.shape[1]
+        k, (B, T) = self.blocks.index(i), h.shape[:2]
         p_reset, p_inc, p_dec, p_keep = self.gates[k](h)                # (B, 2 H O, T) each
-        gamma = 1 + F.softplus(self.gamma_raw[k])[None]                 # (1, 2 H O)
+        gamma = 1 + F.softplus(self.gamma_raw[k])[None].expand(B, -1)   # (B, 2 H O)
         P = reachable_bins(self.P, T)
         p_copy = None
         if self.copy:
@@ -391,20 +400,23 @@ class PrismHooks(Hooks):
             p_reset, p_dec, p_keep = (torch.where(c, zero, x) for x in (p_reset, p_dec, p_keep))
             p_inc = torch.where(c, one, p_inc)
             p_copy = self.copy_probs(k, h, P)
-        hist = histogram_scan(p_reset, p_inc, p_dec, p_keep, gamma, P, p_copy)   # (B, 2 H O, T, P)
+        gates = [sides_first(x) for x in (p_reset, p_inc, p_dec, p_keep, gamma)]   # (2 B, H O, T), (2 B, H O)
+        hist = histogram_scan(*gates, P, p_copy).view(2, B, -1, T, P)    # a row per cursor: their order is free
         # float32 (no autocast): the scores of neighbouring bins differ by less than bfloat16 resolves
         with torch.autocast(h.device.type, enabled=False):
             ctx["prism_scores"] = cursor_scores(hist.float(), self.gram[:P, :P], self.H, self.d)
         ctx["prism_hist"], ctx["prism_gates"] = hist, (p_reset, p_inc, p_dec, p_keep)
 
     def copy_probs(self, k: int, h, P: int):
-        """p_copy (B, 2 H O, T, P + 1) of the copy branch before block self.blocks[k]: query cursor 0
-        of each head copies (`CopyHead`), every other cursor never does (its last entry 1)."""
+        """p_copy (2 B, H O, T, P + 1) of the copy branch before block self.blocks[k], the cursors' rows
+        sides first (`sides_first`): query cursor 0 of each head copies (`CopyHead`), every other cursor
+        never does (its last entry 1)."""
         B, T = h.shape[:2]
-        p_copy = torch.zeros(B, 2 * self.H * self.O, T, P + 1, device=h.device)
+        p_copy = torch.zeros(2, B, self.H * self.O, T, P + 1, device=h.device)
         p_copy[..., P] = 1
         first = torch.arange(self.H, device=h.device) * self.O            # query cursor 0 of each head
-        return p_copy.index_copy(1, first, self.copy_heads[k](h, P))
+        rows = torch.stack([self.copy_heads[k](h, P), p_copy[1][:, first]])   # (2, B, H, T, P + 1)
+        return p_copy.index_copy(2, first, rows).view(2 * B, -1, T, P + 1)
 
 
 class PrismAttention(nn.Module):
@@ -524,7 +536,7 @@ def plot_run(run_dir, length: int | None = None) -> Path:
         q, k, _ = attn.qkv(model.blocks[0].norm1(h)).view(B, T, 3, attn.H, attn.D).permute(2, 0, 3, 1, 4)
         weights = attn.weights(q, k, ctx)[0, 0]                               # head 0: (T, T)
     O = model.hooks.O
-    modes = ctx["prism_hist"][0].argmax(-1)                                   # (2 H O, T)
+    modes = ctx["prism_hist"][0, 0].argmax(-1)                                # the query cursors: (H O, T)
     p_reset, p_inc = ctx["prism_gates"][0][0], ctx["prism_gates"][1][0]        # (2 H O, T)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for c in range(O):

@@ -70,7 +70,7 @@ def test_prism_precision_rounds_as_bfloat16_and_keeps_float32_scores():
     tf = prism_precision.rounded(x, 10)
     assert (tf.view(torch.int32) & ((1 << 13) - 1) == 0).all()                 # 10 mantissa bits left
     assert ((tf - x).abs() <= x.abs() * 2.0 ** -11).all() and not torch.equal(tf, x)
-    hist = torch.rand(2, 2 * 3 * 2, 5, 8).softmax(-1)                          # B, 2 H O, T, P with H = 3, O = 2
+    hist = torch.rand(2, 2, 3 * 2, 5, 8).softmax(-1)                          # sides, B, H O, T, P with H = 3, O = 2
     gram = prism.sinusoid_table(8, 6) @ prism.sinusoid_table(8, 6).T
     assert torch.equal(prism_precision.cursor_scores_at(23)(hist, gram, 3, 6), prism.cursor_scores(hist, gram, 3, 6))
     low = prism_precision.cursor_scores_at(7)(hist, gram, 3, 6)

@@ -222,7 +222,7 @@ def test_naive_backend_switch(monkeypatch):
 import math  # noqa: E402
 
 from prism import (PRISM, PrismAttention, PrismHooks, alpha_group, cursor_scores,  # noqa: E402
-                   mix_cursors, normalise, position_scores, sinusoid_table, superpose)
+                   mix_cursors, normalise, position_scores, sides_first, sinusoid_table, superpose)
 from model import Model, ModelConfig  # noqa: E402
 
 
@@ -252,10 +252,9 @@ def test_position_scores_by_hand():
 
 
 def reference_scores(hist, table, H, alpha):
-    """Algorithms 2-4 as written: superpose, normalise the query and the key half, score."""
+    """Algorithms 2-4 as written: superpose, normalise the query and the key side, score. hist (2, B, H O, T, P)."""
     g = superpose(hist, table)
-    n = hist.shape[1] // 2
-    return position_scores(normalise(g[:, :n], H), normalise(g[:, n:], H), alpha)
+    return position_scores(normalise(g[0], H), normalise(g[1], H), alpha)
 
 
 def test_scores_through_the_gram_matrix_are_algorithms_2_to_4():
@@ -265,7 +264,7 @@ def test_scores_through_the_gram_matrix_are_algorithms_2_to_4():
     torch.manual_seed(0)
     H, O, T, P, d = 3, 4, 9, 16, 7
     table = sinusoid_table(P, d)
-    hist = (4 * torch.randn(2, 2 * H * O, T, P)).softmax(-1).requires_grad_()
+    hist = (4 * torch.randn(2, 2, H * O, T, P)).softmax(-1).requires_grad_()   # (sides, B, H O, T, P)
     alphas = [torch.randn(H, O, requires_grad=True) for _ in range(2)]          # two blocks
     scores = cursor_scores(hist, table @ table.T, H, d)
     fast = [mix_cursors(scores, a) for a in alphas]
@@ -292,7 +291,7 @@ def test_triton_cursor_scores_match_the_pytorch_path(monkeypatch, T, P):
     torch.manual_seed(0)
     H, O, d = 2, 2, 8
     table = sinusoid_table(P, d)
-    hist = (3 * torch.randn(2, 2 * H * O, T, P)).softmax(-1).requires_grad_()
+    hist = (3 * torch.randn(2, 2, H * O, T, P)).softmax(-1).requires_grad_()
     w = torch.randn(2, H, O, T, T)
     got = {}
     for backend in ("torch", "triton"):
@@ -303,7 +302,7 @@ def test_triton_cursor_scores_match_the_pytorch_path(monkeypatch, T, P):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
     assert prism.SCORES_KERNEL_BINS == prism_scores.MAX_BINS
     monkeypatch.setattr(prism_scores, "cursor_dots_triton", None)            # not called past its bins
-    wide = (3 * torch.randn(1, 2 * H * O, 3, 130)).softmax(-1)
+    wide = (3 * torch.randn(2, 1, H * O, 3, 130)).softmax(-1)
     table = sinusoid_table(130, d)
     assert cursor_scores(wide, table @ table.T, H, d).shape == (1, H, O, 3, 3)
 
@@ -348,7 +347,7 @@ def test_scores_through_the_gram_matrix_on_cuda_at_the_papers_size(monkeypatch, 
     torch.manual_seed(0)
     H, O, T, P, d = 35, 4, 64, 128, 340
     table = sinusoid_table(256, d, device="cuda")[:P]
-    hist = (4 * torch.randn(4, 2 * H * O, T, P, device="cuda")).softmax(-1).requires_grad_()
+    hist = (4 * torch.randn(2, 4, H * O, T, P, device="cuda")).softmax(-1).requires_grad_()
     alpha = (torch.rand(H, O, device="cuda") + 0.5).requires_grad_()
     ref = reference_scores(hist, table, H, alpha)                        # float32 products
     w = torch.randn_like(ref)
@@ -371,8 +370,9 @@ def test_the_scores_from_the_reachable_bins_equal_those_from_all_bins(copy):
     hooks.before_block(0, h, ctx)
     assert ctx["prism_hist"].shape[-1] == 24                      # 21 reachable bins, rounded up to 8
     gamma = 1 + torch.nn.functional.softplus(hooks.gamma_raw[0])[None]
-    p_copy = hooks.copy_probs(0, h, 128) if copy else None
-    full = histogram_scan(*ctx["prism_gates"], gamma, 128, p_copy)              # (B, 2 H O, T, 128)
+    p_copy = hooks.copy_probs(0, h, 128) if copy else None                    # (2 B, H O, T, 129)
+    gates = [sides_first(x) for x in (*ctx["prism_gates"], gamma.expand(2, -1))]
+    full = histogram_scan(*gates, 128, p_copy).view(2, 2, 8, 20, 128)          # (sides, B, H O, T, 128)
     assert float(full[..., 24:].sum(-1).max().detach()) < 1e-8    # the eps mass alone, ~eps^gamma a bin
     alpha = torch.rand(2, 4) + 0.5
     want = reference_scores(full, sinusoid_table(128, 8), 2, alpha)
@@ -399,7 +399,7 @@ def test_hooks_write_position_streams_before_the_chosen_blocks():
     assert "prism_scores" not in ctx
     hooks.before_block(1, h, ctx)
     assert ctx["prism_scores"].shape == (2, 2, 4, 7, 7)                     # (B, H, O, T, T)
-    assert torch.allclose(ctx["prism_hist"].sum(-1), torch.ones(2, 16, 7), atol=1e-5)
+    assert torch.allclose(ctx["prism_hist"].sum(-1), torch.ones(2, 2, 8, 7), atol=1e-5)   # (sides, B, H O, T)
     assert torch.allclose(1 + torch.nn.functional.softplus(hooks.gamma_raw), torch.full_like(hooks.gamma_raw, 2.0))
 
 
@@ -558,9 +558,8 @@ def test_copy_branch_in_the_model():
     hooks = PrismHooks(prism_cfg(prism_copy=True))
     h, ctx = torch.randn(1, 8, 32), {}
     hooks.before_block(0, h, ctx)
-    modes = ctx["prism_hist"][0].argmax(-1)                              # (2 H O, T)
-    n = 2 * 4
-    assert modes[n].tolist() == list(range(1, 9)) and modes[n + 4].tolist() == list(range(1, 9))
+    modes = ctx["prism_hist"][1, 0].argmax(-1)                           # the key cursors: (H O, T)
+    assert modes[0].tolist() == list(range(1, 9)) and modes[4].tolist() == list(range(1, 9))
     head = hooks.copy_heads[0]
     with torch.no_grad():
         head.qk.weight.zero_()
@@ -577,7 +576,7 @@ def test_copy_branch_in_the_model():
     head.forward = onto_token_2
     ctx = {}
     hooks.before_block(0, h, ctx)
-    assert ctx["prism_hist"][0, 0].argmax(-1).tolist() == [3] * 8        # query cursor 0 of head 0
+    assert ctx["prism_hist"][0, 0, 0].argmax(-1).tolist() == [3] * 8     # query cursor 0 of head 0
 
 
 def test_fewer_bins_than_positions_is_refused(capsys, tmp_path):

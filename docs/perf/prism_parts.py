@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     gates = [x.detach().requires_grad_() for x in gates]
     gamma = torch.full((N,), 2.0, device=device, requires_grad=True)
     p_copy = rand(B, N, T, P + 1).softmax(-1).requires_grad_() if copy else None
-    with torch.no_grad():
-        hist = prism.histogram_scan(*gates, gamma[None], P, p_copy).detach()
+    with torch.no_grad():   # the cursors' rows sides first, as the model scans them (prism.sides_first)
+        hist = prism.histogram_scan(*gates, gamma[None], P, p_copy).detach().view(2, B, H * O, T, P)
     gram = (lambda f: f @ f.T)(prism.sinusoid_table(P, d, device))
     rows = []                                                            # (part, variant, ms per stream)
 

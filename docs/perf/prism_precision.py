@@ -40,14 +40,14 @@ def rounded(x, bits: int):
 def cursor_scores_at(bits: int):
     """`prism.cursor_scores` with the inputs of its two matrix products rounded to `bits` bits."""
     def scores(hist, gram, H: int, d: int):
-        B, N, T, P = hist.shape
-        O = N // (2 * H)
-        hg = rounded(hist, bits) @ rounded(gram, bits)                        # (B, 2 H O, T, P)
-        sq = (hg * hist).sum(-1).view(B, 2, H, O, T)
-        norm = sq.sum(3).clamp(min=1e-12).sqrt()                              # (B, 2, H, T)
-        q = rounded(hg[:, :N // 2], bits).view(B, H, O, T, P)
-        k = rounded(hist[:, N // 2:], bits).view(B, H, O, T, P)
-        norms = norm[:, 0, :, None, :, None] * norm[:, 1, :, None, None, :]
+        _, B, HO, T, P = hist.shape
+        O = HO // H
+        hg = rounded(hist, bits) @ rounded(gram, bits)                        # (2, B, H O, T, P)
+        sq = (hg * hist).sum(-1).view(2, B, H, O, T)
+        norm = sq.sum(3).clamp(min=1e-12).sqrt()                              # (2, B, H, T)
+        q = rounded(hg[0], bits).reshape(B, H, O, T, P)
+        k = rounded(hist[1], bits).reshape(B, H, O, T, P)
+        norms = norm[0][:, :, None, :, None] * norm[1][:, :, None, None, :]
         return (q @ k.transpose(-1, -2)) * (d / O) ** 0.5 / norms
     return scores
 

@@ -130,7 +130,7 @@ def prism_scores_call(a):
     from kernels.prism_scores import cursor_dots_triton
     prism_scores._precision = lambda x: "tf32"              # as on a GPU (the recording's tensors are on the CPU)
     H, O = 35, 4
-    hist = torch.rand(a.batch, 2 * H * O, a.length, a.bins, requires_grad=True)
+    hist = torch.rand(2, a.batch, H * O, a.length, a.bins, requires_grad=True)     # (sides, B, H O, T, P)
     dots, sq = cursor_dots_triton(hist, torch.rand(a.bins, a.bins), H)
     (dots.sum() + sq.sum()).backward()
 

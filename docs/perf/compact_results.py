@@ -79,8 +79,8 @@ def compact(root: Path, rethin: bool = False) -> tuple[int, int, int]:
             plain = gz.with_name("metrics.json")
             if not plain.exists():
                 plain.write_text(read_stored(plain))
-    for log in sorted({*root.rglob("train.log"), *root.rglob("train.log.gz")}):
-        merge_log(log.parent)
+    for folder in sorted({log.parent for name in ("train.log", "train.log.gz") for log in root.rglob(name)}):
+        merge_log(folder)
     for path in sorted(p for name in NAMES for p in root.rglob(name) if p.is_file()):
         data = path.read_bytes()
         if path.name == "metrics.json":

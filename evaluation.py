@@ -8,7 +8,10 @@ read_stored).
 
 Every row is one length (and task variant): {"name", "length", "variant", "n", "s", "exact", "token", "last"}:
 exact match per sequence, accuracy per supervised token, and on the final answer alone ("last": the last
-supervised position that is not the task's <eos>, e.g. parity's y_L; one per sequence).
+supervised position that is not the task's <eos>, e.g. parity's y_L; one per sequence). A task with
+`by_offset` (the padded arithmetic, whose answer ends with its least significant digit) adds "by_offset":
+the token accuracy at each supervised position counted back from the sequence's last one (offset 0), so
+that a table can say at which digit a model starts to fail.
 One teacher-forced pass per batch; for a causal model this equals greedy decoding (tests/test_train.py
 checks it). The loop (train.py) calls `evaluate` during and after training; the tables of
 experiments.py and cli.py read its rows from each run's metrics.json, which `json_text` lays out a row
@@ -48,6 +51,19 @@ def score(logits, y, eos: int = -1):
     return (right | ~sup).all(dim=1), right.sum(1), sup.sum(1), right.gather(1, last[:, None])[:, 0] & answer.any(1)
 
 
+def score_by_offset(logits, y):
+    """Right and supervised tokens at each offset back from a sequence's last supervised position
+    (offset 0 is that position), (B, T) each."""
+    sup = y != IGNORE
+    right = (logits.argmax(-1) == y) & sup
+    T = y.shape[1]
+    end = T - 1 - sup.flip(1).int().argmax(1)                          # (B,) the last supervised position
+    at = end[:, None] - torch.arange(T, device=y.device)               # (B, T) position of each offset
+    back = at.clamp(min=0)
+    inside = at >= 0
+    return right.gather(1, back) & inside, sup.gather(1, back) & inside
+
+
 @torch.no_grad()
 def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=None, s=1.0,
              batch_size: int = 256, stream: int = 1, tokens_per_batch: int = 2 ** 15,
@@ -68,6 +84,7 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
     rows = [{"name": vname or str(L), "length": L, "variant": vname, "n": n if every[L] is None else len(every[L].x),
              "s": float(s(L) if callable(s) else s)} for L in lengths for vname in (task.variants or {None: {}})]
     counts = np.zeros((len(rows), 4))                      # per row: exact, right tokens, supervised, last
+    offsets = [np.zeros((2, 0)) for _ in rows]             # per row with task.by_offset: right, supervised by offset
     eos = task.stoi.get("<eos>", -1)
 
     def pieces():                                          # (row, s, batch), in the order drawn
@@ -85,11 +102,14 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
         batch = collate([b for _, _, b in group], task.pad_id)
         with autocast(device, precision):
             logits = model(batch.x.to(device), batch_context(task, batch, device, group[0][1]))
-        return torch.stack(score(logits.float(), batch.y.to(device), eos), 1).cpu().numpy()
+        per_seq = torch.stack(score(logits.float(), batch.y.to(device), eos), 1).cpu().numpy()
+        if not task.by_offset:
+            return per_seq, None
+        return per_seq, torch.stack(score_by_offset(logits.float(), batch.y.to(device)), 1).cpu().numpy()
 
     def run(group):
         try:
-            per_seq = scores(group)
+            per_seq, per_offset = scores(group)             # (examples, 4); (examples, 2, T) or None
         except torch.OutOfMemoryError:                     # the same examples in two passes instead
             if sum(len(b.x) for _, _, b in group) == 1:
                 raise
@@ -105,6 +125,11 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
         first = 0
         for k, _, b in group:
             counts[k] += per_seq[first:first + len(b.x)].sum(0)
+            if per_offset is not None:
+                mine = per_offset[first:first + len(b.x)].sum(0)                     # (2, T)
+                width = max(mine.shape[1], offsets[k].shape[1])
+                offsets[k] = np.pad(offsets[k], ((0, 0), (0, width - offsets[k].shape[1]))) + \
+                    np.pad(mine, ((0, 0), (0, width - mine.shape[1])))
             first += len(b.x)
 
     group = []
@@ -117,8 +142,11 @@ def evaluate(model, task: Task, lengths, n: int, seed: int, device, task_opts=No
         group.append(piece)
     if group:
         run(group)
-    for r, (exact, right, sup, last) in zip(rows, counts):
+    for r, (exact, right, sup, last), (right_at, sup_at) in zip(rows, counts, offsets):
         r.update(exact=exact / r["n"], token=right / max(sup, 1), last=last / r["n"])
+        if task.by_offset:                                 # up to the last offset that any example reaches
+            reached = int(np.flatnonzero(sup_at)[-1]) + 1 if sup_at.any() else 0
+            r["by_offset"] = [round(float(a / s), 3) for a, s in zip(right_at[:reached], sup_at[:reached])]
     model.train()
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()                           # back to the runs that share the GPU

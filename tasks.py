@@ -56,6 +56,7 @@ class Task:
     min_length: int = 1
     pad: str = "<pad>"                 # batching pad token; every vocabulary has one
     variants: dict[str, dict] = {}     # named evaluation settings beyond length (flip-flop)
+    by_offset: bool = False            # evaluation also scores each position counted back from the answer's end
 
     def __init__(self):
         self.stoi = {s: i for i, s in enumerate(self.vocab)}
@@ -938,6 +939,7 @@ class _Padded(Task):
     paper's "pad"), and '<pad>' only pads batches (never used, all rows have equal length)."""
     vocab = ["<pad>"] + DIGITS + ["#", "+", "×"]
     causal = False
+    by_offset = True                   # offset 0: the result's least significant digit
     width = 20
     train_lengths = [5]
     test_lengths = list(range(1, 21))

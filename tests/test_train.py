@@ -20,7 +20,7 @@ import train
 from tasks import IGNORE, TASKS, sample_mixed
 from model import AlibiBias, ModelConfig, T5Bias, attend, largest_logits, rotary
 from cli import main, make_config
-from evaluation import evaluate, save_atomic, score, summary_line
+from evaluation import evaluate, save_atomic, score, score_by_offset, summary_line
 from train import TrainConfig, build_model
 
 
@@ -103,6 +103,41 @@ def test_the_final_answer_is_the_last_supervised_position_before_eos():
     pred = torch.tensor([[0, 1, 2], [0, 1, 0], [0, 0, 2], [0, 0, 2]])
     exact, right, sup, last = score(F.one_hot(pred, 3).float(), y, eos=2)
     assert exact.tolist() == [True, False, False, True] and last.tolist() == [True, True, False, False]
+
+
+def test_score_by_offset_counts_back_from_each_rows_last_supervised_position():
+    """Row 1 ends at position 3, row 2 (right-padded) at 2: offset 0 is position 3 in one and 2 in the other."""
+    y = torch.tensor([[IGNORE, 1, 2, 0], [IGNORE, 2, 1, IGNORE]])
+    pred = torch.tensor([[0, 1, 0, 0], [0, 0, 1, 0]])
+    right, sup = score_by_offset(F.one_hot(pred, 3).float(), y)
+    assert right.tolist() == [[True, False, True, False], [True, False, False, False]]
+    assert sup.tolist() == [[True, True, True, False], [True, True, False, False]]
+
+
+class _Always(torch.nn.Module):
+    """A model that predicts one token everywhere."""
+    def __init__(self, token, vocab_size):
+        super().__init__()
+        self.token, self.vocab_size = token, vocab_size
+
+    def forward(self, x, ctx):
+        return F.one_hot(torch.full_like(x, self.token), self.vocab_size).float()
+
+
+@pytest.mark.parametrize("opts", [{}, {"multiplier_low": 1}])
+def test_evaluate_by_offset_locates_the_digits_of_padded_products(opts):
+    """A model that always says '#' is right exactly where the product is padding: never at offset 0 (a
+    product keeps its last digit), always from offset k + 3 on (k digits times at most 3 have at most k + 3),
+    and the offsets reach the answer's whole width (20 + 3) whatever the multiplier's length."""
+    task = TASKS["mul_padded"]
+    rows = evaluate(_Always(task.stoi["#"], len(task.vocab)), task, [2, 5], n=64, seed=0, device="cpu",
+                    task_opts=opts, precision="fp32")
+    for r in rows:
+        k, acc = r["length"], r["by_offset"]
+        assert len(acc) == 23 and acc[0] == 0.0 and all(a == 1.0 for a in acc[k + 3:])
+        assert 0 < sum(acc[:k + 3]) < k + 3                    # the top digits are sometimes padding
+    assert "by_offset" not in evaluate(_Always(0, len(TASKS["copy"].vocab)), TASKS["copy"], [4], n=8, seed=0,
+                                       device="cpu", precision="fp32")[0]
 
 
 def trained_model(task, lengths, steps, seed=0, d=32):

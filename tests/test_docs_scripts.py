@@ -505,3 +505,19 @@ def test_sm90_resources_compiles_each_launch_of_a_call_for_the_gpu():
     for line in lines:
         regs, shared = re.search(r": (\d+) registers, spills \d+ / \d+ bytes .*, (\d+) bytes shared", line).groups()
         assert "BT=32, BP=32, PREC=tf32; 8 warps, 1 stages" in line and 0 < int(regs) <= 255 and int(shared) > 0
+
+
+def test_digit_accuracy_tables_each_length_by_offset_and_skips_runs_without_it(tmp_path):
+    run = tiny_run(tmp_path / "a", task="mul_padded", method="upe", test_lengths=[2, 7])
+    out = script("digit_accuracy.py", run.parent, "--below", "0.5")
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    assert lines[0].split(" | ")[2:] == [str(k) for k in range(22)] + ["22 |"]       # 20 digits + 3: offsets 0-22
+    metrics = json.loads((run / "metrics.json").read_text())
+    for r, line in zip(sorted(metrics["eval"], key=lambda r: r["length"]), lines[2:]):
+        cells = line.strip("| ").split(" | ")
+        assert cells[0] == str(r["length"]) and [float(c) for c in cells[2:]] == \
+            [round(a, 2) for a in r["by_offset"]]
+        first = next((k for k, a in enumerate(r["by_offset"]) if a < 0.5), "-")
+        assert cells[1] == str(first)
+    other = tiny_run(tmp_path / "b", task="copy", method="rope")
+    assert "no evaluation with by_offset" in script("digit_accuracy.py", other.parent)

@@ -227,6 +227,7 @@ def numeric_checks(cfg: TrainConfig):
             ("--train-set", cfg.train_set, cfg.train_set == 0 or cfg.train_set >= cfg.batch_size,
              "0 or at least the batch size"),
             ("--workers", cfg.workers, cfg.workers >= 0, ">= 0"), ("ckpt_every", cfg.ckpt_every, cfg.ckpt_every >= 1, ">= 1"),
+            ("--bucket", cfg.bucket, cfg.bucket >= 1, ">= 1"),
             ("--norm", m.norm, m.norm in ("pre", "post"), "pre or post"),
             ("--d-model", m.d_model, m.d_model >= 1, ">= 1"), ("--n-layers", m.n_layers, m.n_layers >= 1, ">= 1"),
             ("--n-heads", m.n_heads, m.n_heads >= 1, ">= 1"), ("--ape-shift", m.ape_shift, m.ape_shift >= 0, ">= 0")]
@@ -391,9 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seeds", help="comma-separated seeds, ranges allowed (default 0); with --reproduce: the "
                    "experiment on these seeds, its own or any others (its table, reproduce/NAME-seedsS.md, then "
                    "stands on them and says which are not the experiment's)")
-    g.add_argument("--labels", metavar="RUN,...", help="with --reproduce: only these of the experiment's runs, "
-                   "by folder name (e.g. vipe-L3,nope-L3; task/name for one task's); its table and verdict then "
-                   "stand on them")
+    g.add_argument("--labels", metavar="RUN,...", help="with --reproduce: only these of the experiment's runs, by "
+                   "folder name (e.g. vipe-L3,nope-L3; task/name for one task's); its table and verdict stand on them")
     g.add_argument("--reproduce", metavar="NAME", help="a headline experiment of experiments.py, or all")
     g.add_argument("--budget", choices=experiments.BUDGETS, help="with --reproduce: quick (default; minutes, "
                    "the papers' ordering) or full (the paper's own setup, where experiments.py defines it)")
@@ -401,11 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the time of the others, then stop (--device cuda: also on a machine without a GPU)")
     g.add_argument("--shard", metavar="I/N", help="with --reproduce: train only runs I, I+N, I+2N, ... of its "
                    "fixed run list (e.g. one Slurm array task each); tables once every run is present")
-    g.add_argument("--runs", metavar="K,...", help="with --reproduce: train only these runs of its fixed run list "
-                   "(the numbers --plan prints)")
-    g.add_argument("--commands", action="store_true", help="with --reproduce: print the train.py command of each "
-                   "of its runs (those of --runs or --shard), to run or change by hand (an ablation: another value "
-                   "and a --tag of its own), then stop")
+    g.add_argument("--runs", metavar="K,...", help="with --reproduce: only these of its runs (--plan numbers them)")
+    g.add_argument("--commands", action="store_true", help="with --reproduce: print the train.py command of each of "
+                   "its runs (--runs, --shard), to change and run by hand (an ablation: a value, a --tag); then stop")
     g.add_argument("--partial", action="store_true", help="with --reproduce: train nothing, table the runs present "
                    "(each over its seeds; the plan lists the missing; one of another setup: its table kept, exit 1)")
     g.add_argument("--help-method", metavar="NAME", help="a method's --method-opt options, then exit")
@@ -416,8 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", choices=list(PRESETS), help="default: gpu on CUDA, cpu otherwise")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA only)")
-    g.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32 (10-bit inputs, float32 "
-                   "sums): PRISM's position scores (their kernels 3x faster at the paper's size, docs/perf/prism.md)")
+    g.add_argument("--tf32", action="store_true", help="CUDA: TF32 float32 matrix products (PRISM's position scores)")
+    g.add_argument("--bucket", type=int, help="CUDA: pad each batch to a multiple of this many tokens (default 32; "
+                   "less padding, more shapes to capture and compile)")
     g.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: "
                    "1 on CPU; on CUDA one per 8 GB of free GPU memory, at most 8, per visible GPU, and the number of "
                    "runs); with several GPUs the jobs spread evenly over them")
@@ -635,6 +634,7 @@ def reproduce(args, device: str, preset_name: str) -> int:
                       else ("", "not picked"))
     if args.commands:
         extra = [flag for flag, on in (("--compile", args.compile), ("--tf32", args.tf32)) if on]
+        extra += ["--bucket", str(args.bucket)] if args.bucket else []
         extra += [word for flag, value, default in (("--device", args.device, "auto"), ("--out", args.out, "runs"))
                   if value != default for word in (flag, value)]
         for k, cfg in enumerate(everything):

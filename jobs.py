@@ -137,7 +137,7 @@ def lock_run(run_dir: Path) -> Path:
 
 # Settings of how a run executes, not of what it computes: a rerun may change them freely.
 EXEC_KEYS = {"device", "workers", "graphs", "compile", "tf32", "runs_at_once", "log_every", "ckpt_every", "preset",
-             "out"}
+             "out", "bucket"}
 RUN_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in EXEC_KEYS]   # what a run computes
 
 
@@ -483,8 +483,9 @@ def speed(args, device: str, n_runs: int) -> dict:
         args.jobs = max(1, min(8 * len(gpus), n_runs, len(gpus) * (memory // 2**33))) if cuda else 1
     workers = default_workers(args.jobs) if cuda else 0
     return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
-            "compile": bool(args.compile), "tf32": bool(args.tf32),
-            "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
+            "compile": bool(args.compile), "tf32": bool(args.tf32), "runs_at_once": -(-min(args.jobs, max(1, n_runs))
+                                                                                   // max(1, len(gpus))),
+            "bucket": TrainConfig.bucket if args.bucket is None else args.bucket}
 
 
 def default_workers(jobs: int) -> int:
@@ -624,7 +625,7 @@ def checkpoint_step(cfg: TrainConfig) -> int:
 
 # settings that do not change what one step costs, or that every run has its own of
 NOT_COST = {"seed", "out", "tag", "device", "workers", "graphs", "compile", "tf32", "runs_at_once", "preset",
-            "log_every", "ckpt_every"}
+            "log_every", "ckpt_every", "bucket"}
 
 
 def differences(a: dict, b: dict) -> int:

@@ -99,6 +99,7 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     workers: int = 0                  # processes that make training batches ahead of the step (0: in the loop)
     graphs: bool = False              # replay each step from a CUDA graph per padded length (CUDA only)
+    bucket: int = 32                  # with graphs or compile, batches are padded to a multiple of this many tokens
     compile: bool = False             # torch.compile the model (CUDA only)
     tf32: bool = False                # CUDA: float32 matrix products in TF32 (PRISM's position scores)
     runs_at_once: int = 1             # runs sharing its device as it starts (recorded for the plan's times)
@@ -137,16 +138,15 @@ class NaNLoss(Exception):
 class Step:
     """One optimiser step: forward, loss, backward, gradient clip, AdamW; returns the loss on the device.
 
-    With cfg.graphs (CUDA), a batch is right-padded to a multiple of BUCKET tokens; the first batch of each
+    With cfg.graphs (CUDA), a batch is right-padded to a multiple of cfg.bucket tokens; the first batch of each
     padded length runs eagerly (a real step), then that step is captured as a CUDA graph which the later
     batches of the length replay: one launch instead of hundreds for a tiny model (a compiled model: its first
     two batches eagerly, as it compiles some of its frames on its second call). The graphs share one
     memory pool (they replay one at a time, each replay's loss copied before the next), so a run holds the
     memory of its largest step; `release` frees it. Padding changes no result beyond float rounding: pads
     come after every real token (causal models never read them), are never supervised, and bidirectional
-    models mask them as keys."""
-
-    BUCKET = 32
+    models mask them as keys. A smaller bucket wastes fewer tokens, in more shapes (each one captured, and
+    compiled under --compile)."""
 
     def __init__(self, model, fwd, opt, cfg: TrainConfig, task: Task, device: str, s: float = 1.0):
         self.model, self.fwd, self.opt, self.cfg, self.task, self.device = model, fwd, opt, cfg, task, device
@@ -174,7 +174,7 @@ class Step:
             self.opt.zero_grad(set_to_none=True)
             return self.body(batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True),
                              batch_context(self.task, batch, self.device, self.s))
-        T = -(-batch.x.shape[1] // self.BUCKET) * self.BUCKET
+        T = -(-batch.x.shape[1] // self.cfg.bucket) * self.cfg.bucket
         if T not in self.buffers:
             self.buffers[T] = [None if t is None else torch.empty(len(t), T, dtype=torch.long, device=self.device)
                                for t in (batch.x, batch.y, batch.slot)]

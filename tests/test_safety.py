@@ -408,7 +408,7 @@ def test_every_numeric_check_rejects_a_bad_value(tmp_path):
            "--workers": ("workers", -1), "--train-set": ("train_set", 3),
            "--curriculum-steps": ("curriculum_steps", -1), "ckpt_every": ("ckpt_every", 0), "--d-model": ("model.d_model", 0),
            "--n-layers": ("model.n_layers", 0), "--n-heads": ("model.n_heads", 0),
-           "--ape-shift": ("model.ape_shift", -1), "--norm": ("model.norm", "mid")}
+           "--ape-shift": ("model.ape_shift", -1), "--norm": ("model.norm", "mid"), "--bucket": ("bucket", 0)}
     good = make_config(dict(task="copy", method="rope", out=str(tmp_path), device="cpu"), "cpu")
     assert {flag for flag, *_ in numeric_checks(good)} == set(bad)
     assert all(ok for _, _, ok, _ in numeric_checks(good))

@@ -459,7 +459,7 @@ def test_padding_to_the_graph_bucket_changes_nothing():
         t = cli.validate(cfg)
         cfg.model.vocab_size, cfg.model.causal = len(t.vocab), t.causal
         batch = tasks.TrainBatches(t, t.train_lengths, cfg.batch_size, cfg.seed, cfg.steps, **cfg.task_opts)[3]
-        assert batch.x.shape[1] % train.Step.BUCKET, "the check needs a batch that gets padded"
+        assert batch.x.shape[1] % cfg.bucket, "the check needs a batch that gets padded"
         results = []
         for pad in (False, True):
             torch.manual_seed(0)
@@ -471,6 +471,27 @@ def test_padding_to_the_graph_bucket_changes_nothing():
         (l0, g0), (l1, g1) = results
         assert torch.allclose(l0, l1, atol=1e-6), (task, l0, l1)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g0, g1)), task
+
+
+def test_a_smaller_bucket_pads_less_and_changes_nothing():
+    """cfg.bucket sets the padded length (the padded step, run eagerly on the CPU): 8 pads a copy batch of 21
+    tokens to 24 where 32 pads it to 32, with the same loss. A bucket is how a run executes, not what it
+    computes: a run may resume with another (jobs.EXEC_KEYS)."""
+    losses = []
+    for bucket in (32, 8):
+        cfg = make_config(dict(task="copy", method="rope", device="cpu", d_model=16, n_heads=2, n_layers=1,
+                               bucket=bucket), "cpu")
+        t = cli.validate(cfg)
+        cfg.model.vocab_size = len(t.vocab)
+        batch = t.sample(4, 10, np.random.default_rng(0))
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        step = train.Step(model, model, train.make_optimizer(model, cfg, "cpu"), cfg, t, "cpu")
+        step.pad = True
+        losses.append(step(batch))
+        assert batch.x.shape[1] == 21 and list(step.buffers) == [{32: 32, 8: 24}[bucket]]
+    assert torch.allclose(losses[0], losses[1], atol=1e-6)
+    assert "bucket" in jobs.EXEC_KEYS and "bucket" not in jobs.RUN_KEYS
 
 
 @pytest.mark.parametrize("workers", [0, 2])

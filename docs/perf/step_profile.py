@@ -50,8 +50,9 @@ def pick(name: str, budget: str, task: str | None, label: str | None) -> dict:
     raise SystemExit(f"{name} ({budget}) has no run with task {task} and label {label}")
 
 
-def config(run: dict, device: str, tiny: bool, compile_: bool) -> train.TrainConfig:
-    values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda"), "compile": compile_}
+def config(run: dict, device: str, tiny: bool, compile_: bool, bucket: int | None = None) -> train.TrainConfig:
+    values = {**run, "device": device, "workers": 0, "graphs": device.startswith("cuda"), "compile": compile_,
+              "bucket": bucket or train.TrainConfig.bucket}
     if tiny:
         blocks = run.get("opts", {}).get("prism_blocks", [0])          # the blocks PRISM's positions feed
         values.update(d_model=32, n_layers=max(2, max(blocks) + 1), n_heads=2, batch_size=4, n_eval=2,
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-eval", action="store_true", help="leave out (4)")
     p.add_argument("--scan-warps", type=int, help="PRISM: warps per program of the Triton histogram scan")
     p.add_argument("--tf32", action="store_true", help="float32 matrix products in TF32 (PRISM's cursor scores)")
+    p.add_argument("--bucket", type=int, help="(1) batches padded to a multiple of this many tokens (train.py --bucket)")
     p.add_argument("--scores-kernel", action="store_true", help="PRISM: the cursor scores' Triton kernels")
     a = p.parse_args(argv)
     if a.profile_compiled and not a.compile:
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
         import prism
         prism.SCORES_BACKEND = "triton"
     run = pick(a.experiment, a.budget, a.task, a.label)
-    cfg = config(run, device, a.tiny, a.compile)
+    cfg = config(run, device, a.tiny, a.compile, a.bucket)
     task = TASKS[cfg.task]
     length = max(cfg.train_lengths or task.train_lengths)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"

@@ -44,10 +44,7 @@ from tasks import IGNORE, TASKS, Batch, Task, TrainBatches, curriculum_lengths
 METHODS: dict[str, Method] = {
     "nope": baseline("nope"),
     "ape": baseline("nope", hooks=SinusoidalAPE),
-    "rope": baseline("rope"),
-    "alibi": baseline("alibi"),
-    "t5": baseline("t5"),
-    "fire": baseline("fire"),
+    **{name: baseline(name) for name in ("rope", "alibi", "t5", "fire")},
     "fox": path_attention.FOX,
     "path": path_attention.PATH,
     "path-fox": path_attention.PATH_FOX,
@@ -221,8 +218,10 @@ def compiled(model, backend: str = "inductor"):
     generic kernels, slower than those of a fixed length, so a curriculum run kept them for all its later
     stages. The evaluation runs the model uncompiled. AOTAutograd's cache of compiled graphs is turned off: saving
     an entry crashed the process (a segmentation fault in its pickling, in the first backward pass) for UPE's model
-    at the UPE paper's width on the GPU; each run compiles its own graphs either way."""
+    at the UPE paper's width on the GPU; each run compiles its own graphs either way. Up to 64 shapes compile (torch's
+    default, 8, would leave a long curriculum's later stages uncompiled under a small --bucket)."""
     torch._functorch.config.enable_autograd_cache = False
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(model, dynamic=False, backend=backend)
 
 

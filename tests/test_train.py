@@ -494,6 +494,22 @@ def test_a_smaller_bucket_pads_less_and_changes_nothing():
     assert "bucket" in jobs.EXEC_KEYS and "bucket" not in jobs.RUN_KEYS
 
 
+def test_compiled_compiles_each_of_many_padded_lengths():
+    """A small bucket makes more shapes than torch's 8 compilations per frame: train.compiled raises the limit, so
+    a twelfth padded length still compiles (counted by the backend) rather than falling back to eager."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.append(tuple(inputs[0].shape))
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = train.compiled(torch.nn.Linear(4, 4), backend=backend)
+    for T in range(8, 104, 8):
+        fn(torch.ones(T, 4))
+    assert len(seen) == 12
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_nan_loss_stops_with_step_and_last_loss(tmp_path, monkeypatch, workers):
     real, calls = F.cross_entropy, {"n": 0}

@@ -256,6 +256,20 @@ def test_step_profile_times_and_profiles_a_step(tmp_path):
     assert got["n_evals"] == 1 and got["projected_s"] > got["steps"] / got["steps_per_s"]
 
 
+def test_step_profile_pads_its_batches_to_the_bucket_given(tmp_path):
+    """add_cot's full setup trains on 1-10 digits; its 10-digit sums make 78-83 tokens, padded to 80 or 88 by a
+    bucket of 8 and to 96 by the default 32, at the longest length as when mixed as in training (--as-trained)."""
+    out = tmp_path / "profile.json"
+    args = ["--experiment", "prism-add", "--budget", "full", "--label", "prism-full", "--device", "cpu", "--tiny",
+            "--steps", 4, "--warm", 0, "--top", 1, "--no-eval", "--out", out]
+    for extra, bucket, padded in (([], 32, {96}), (["--bucket", 8], 8, {80, 88}),
+                                  (["--bucket", 8, "--as-trained"], 8, {8 * k for k in range(1, 12)})):
+        script("step_profile.py", *args, *extra)
+        got = json.loads(out.read_text())
+        assert got["bucket"] == bucket and got["as_trained"] == ("--as-trained" in extra)
+        assert got["padded"] and set(got["padded"]) <= padded, (extra, got["padded"])
+
+
 def test_eval_speed_times_each_pass_size_on_the_same_examples(tmp_path):
     """Eager only (compiling PRISM on the CPU takes minutes): one pass of a few sequences against passes
     of many, the same examples and so the same counts (a tolerance for float rounding in passes of

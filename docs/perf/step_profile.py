@@ -1,6 +1,7 @@
 """Where one training step of an experiment's run spends its time, and what a whole run of it costs:
 the run's own settings (the GPU preset, the experiment's options, at either budget), batches at its
-longest training length.
+longest training length (--as-trained: drawn as its last training stage draws them, every training length mixed,
+so that the padded lengths, `--bucket`, are those of training).
 
     python docs/perf/step_profile.py --experiment prism-more --task reverse [--steps 30] [--top 25]
     python docs/perf/step_profile.py --experiment vipe-parity --budget full --label vipe-L3 --compile
@@ -37,7 +38,7 @@ import cli          # noqa: E402
 import experiments  # noqa: E402
 import train        # noqa: E402
 from evaluation import evaluate  # noqa: E402
-from tasks import TASKS  # noqa: E402
+from tasks import TASKS, sample_mixed  # noqa: E402
 
 
 def pick(name: str, budget: str, task: str | None, label: str | None) -> dict:
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--scan-warps", type=int, help="PRISM: warps per program of the Triton histogram scan")
     p.add_argument("--tf32", action="store_true", help="float32 matrix products in TF32 (PRISM's cursor scores)")
     p.add_argument("--bucket", type=int, help="(1) batches padded to a multiple of this many tokens (train.py --bucket)")
+    p.add_argument("--as-trained", action="store_true", help="batches of every training length mixed, as in training")
     p.add_argument("--scores-kernel", action="store_true", help="PRISM: the cursor scores' Triton kernels")
     a = p.parse_args(argv)
     if a.profile_compiled and not a.compile:
@@ -113,13 +115,17 @@ def main(argv=None) -> int:
     run = pick(a.experiment, a.budget, a.task, a.label)
     cfg = config(run, device, a.tiny, a.compile, a.bucket)
     task = TASKS[cfg.task]
-    length = max(cfg.train_lengths or task.train_lengths)
+    lengths = cfg.train_lengths or task.train_lengths
+    length = max(lengths)
     where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     name = f"{a.experiment} ({a.budget}) {cfg.task}/{cfg.run_dir().parent.name}"
-    say(f"{name}: batch {cfg.batch_size} at length {length}, {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
-        f"on {where}")                                  # each part as soon as it is measured
     rng = np.random.default_rng(0)
-    data = [task.sample(cfg.batch_size, length, rng, **cfg.task_opts) for _ in range(a.warm + a.steps)]
+    data = [sample_mixed(task, cfg.batch_size, lengths, rng, **cfg.task_opts) if a.as_trained
+            else task.sample(cfg.batch_size, length, rng, **cfg.task_opts) for _ in range(a.warm + a.steps)]
+    padded = sorted({-(-b.x.shape[1] // cfg.bucket) * cfg.bucket for b in data})
+    say(f"{name}: batch {cfg.batch_size} {'of lengths mixed up to' if a.as_trained else 'at length'} {length} "
+        f"(padded to {', '.join(map(str, padded))} tokens), {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
+        f"on {where}")                                  # each part as soon as it is measured
     torch.manual_seed(cfg.seed)
     model = train.build_model(cfg.model).to(device)
     opt = train.make_optimizer(model, cfg, device)
@@ -176,7 +182,7 @@ def main(argv=None) -> int:
 
     numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
                    compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
-                   scores_kernel=a.scores_kernel,
+                   scores_kernel=a.scores_kernel, bucket=cfg.bucket, as_trained=a.as_trained, padded=padded,
                    device=where, batch=cfg.batch_size, length=length, steps_per_s=rate, eager_busy_ms=busy,
                    eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top, git=train.git_hash())
     if not a.no_eval:

@@ -374,7 +374,8 @@ def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
     assert got["reads"] == [3, 1] and got["T"] == 96, text          # stack: blocks 0 and 3 of --tiny's 4 layers
     assert [r[:2] for r in got["rows"]] == [["histogram scan", "vectorised step (CPU)"], ["cursor scores", "float32"],
                                             ["mix, 3 blocks", "broadcast multiply and sum"],
-                                            ["mix, 3 blocks", "batched matrix product"]], text
+                                            ["mix, 3 blocks", "batched matrix product"],
+                                            ["mix, 3 blocks", "every block in one pass"]], text
     assert all(r[2] > 0 for r in got["rows"])
     sys.path.insert(0, str(ROOT / "docs" / "perf"))
     try:
@@ -384,6 +385,9 @@ def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
     import prism
     scores, alpha = torch.randn(2, 3, 4, 5, 6), torch.randn(3, 4)
     assert torch.allclose(prism_parts.mix_matmul(scores, alpha), prism.mix_cursors(scores, alpha), atol=1e-5)
+    alphas = torch.randn(2, 3, 4)
+    assert torch.allclose(prism_parts.mix_all(scores, alphas),
+                          torch.stack([prism.mix_cursors(scores, x) for x in alphas]), atol=1e-5)
     assert [prism_parts.triton_width(P) for P in (96, 128, 129)] == [128, 128, 256]
 
 

@@ -1,7 +1,8 @@
 """The parts of PRISM's position path at a run's size, each timed forward + backward, with the variants
 that could make the step faster: the histogram scan (Triton) at several warps per program, the cursor
 scores in float32 and with TF32 matrix products, the mix of the cursors per block as a broadcast
-multiply and sum and as a batched matrix product, and each of those compiled (as `--compile` would).
+multiply and sum and as a batched matrix product, and every block's mix from one read of the scores
+(`mix_all`, not the model's path), and each of those compiled (as `--compile` would).
 
     python docs/perf/prism_parts.py --experiment prism-more --task stack --budget full [--reps 20]
     python docs/perf/prism_parts.py --device cpu --tiny --reps 1       # a check that it runs
@@ -55,6 +56,11 @@ def mix_matmul(scores, alpha):
     """`prism.mix_cursors` as one batched matrix product per (batch, head): (1, O) @ (O, T T)."""
     B, H, O, T, S = scores.shape
     return (alpha.abs()[None, :, None, :] @ scores.reshape(B, H, O, T * S)).view(B, H, T, S)
+
+
+def mix_all(scores, alphas):
+    """Every block's `prism.mix_cursors` from one read of the scores: alphas (L, H, O) -> (L, B, H, T, T)."""
+    return (scores[None] * alphas.abs()[:, None, :, :, None, None]).sum(3)
 
 
 def main(argv=None) -> int:
@@ -144,6 +150,16 @@ def main(argv=None) -> int:
         variants.append(("broadcast multiply and sum, compiled", torch.compile(prism.mix_cursors, dynamic=False)))
     for name, fn in variants:
         rows.append((f"mix, {max(reads)} blocks", name, timed(mix_with(fn, max(reads)), a.reps, device)))
+
+    def mix_all_with(fn, k: int):
+        def run():
+            fn(scores, torch.stack(alphas[:k])).backward(d_mix.expand(k, *d_mix.shape))
+        return run
+    variants = [("every block in one pass", mix_all)]
+    if not a.no_compile:
+        variants.append(("every block in one pass, compiled", torch.compile(mix_all, dynamic=False)))
+    for name, fn in variants:
+        rows.append((f"mix, {max(reads)} blocks", name, timed(mix_all_with(fn, max(reads)), a.reps, device)))
 
     print("\n| part (per position stream, forward + backward) | variant | ms |\n| --- | --- | ---: |")
     for part, name, ms in rows:

@@ -483,9 +483,9 @@ def speed(args, device: str, n_runs: int) -> dict:
         args.jobs = max(1, min(8 * len(gpus), n_runs, len(gpus) * (memory // 2**33))) if cuda else 1
     workers = default_workers(args.jobs) if cuda else 0
     return {"workers": workers if args.workers is None else args.workers, "graphs": cuda and not args.no_graphs,
-            "compile": bool(args.compile), "tf32": bool(args.tf32), "runs_at_once": -(-min(args.jobs, max(1, n_runs))
-                                                                                   // max(1, len(gpus))),
-            "bucket": TrainConfig.bucket if args.bucket is None else args.bucket}
+            "compile": bool(args.compile), "tf32": bool(args.tf32),
+            "bucket": TrainConfig.bucket if args.bucket is None else args.bucket,
+            "runs_at_once": -(-min(args.jobs, max(1, n_runs)) // max(1, len(gpus)))}
 
 
 def default_workers(jobs: int) -> int:

@@ -474,8 +474,8 @@ def visible_gpus() -> list[str]:
 
 def speed(args, device: str, n_runs: int) -> dict:
     """How runs are executed, never what they compute: sets args.jobs (given: at least 1) and returns each run's
-    data workers, CUDA graphs and their padding bucket, torch.compile (see --help), and how many runs share a device (the jobs spread
-    over the GPUs; on a CPU, all of them)."""
+    data workers, CUDA graphs and their padding bucket, torch.compile (see --help), and how many runs share a
+    device (the jobs spread over the GPUs; on a CPU, all of them)."""
     cuda = device.startswith("cuda")
     gpus = visible_gpus() if cuda else []                        # none with --plan on a machine without one
     if args.jobs is None:                                        # per GPU: one job per 8 GB free, at most 8

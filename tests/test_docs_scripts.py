@@ -539,3 +539,25 @@ def test_digit_accuracy_tables_each_length_by_offset_and_skips_runs_without_it(t
         assert cells[1] == str(first)
     other = tiny_run(tmp_path / "b", task="copy", method="rope")
     assert "no evaluation with by_offset" in script("digit_accuracy.py", other.parent)
+
+
+def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import prism_answer_copy
+    finally:
+        sys.path.pop(0)
+    from tasks import TASKS
+    task = TASKS["add_cot"]
+    tokens, _ = task.tokens(928, 30)               # 8 2 9 + 0 3 = 8 0 0 8 , 2 3 0 5 , 9 0 0 9 → 8 5 9 .
+    x = torch.tensor([task.encode(tokens[:-1])])
+    q, src = prism_answer_copy.copy_positions(task, x, 3)
+    assert [tokens[i] for i in src[0]] == ["8", "5", "9"] == [tokens[i + 1] for i in q[0]]   # d of step k, answer k
+    run = tiny_run(tmp_path, task="add_cot", method="prism", train_lengths=[1, 2, 3])
+    out = script("prism_answer_copy.py", run, "3,4", 8)
+    assert "copy head: layer 0, head 0" in out
+    lines = {line.split(" digits")[0]: line for line in out.splitlines() if " digits (8 sums)" in line}
+    assert set(lines) == {"3", "4"} and lines["4"].count("k=") == 4
+    for cell in re.findall(r"k=\d+: ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+)", out):
+        w, hit, before, after = map(float, cell)
+        assert 0 <= w <= 1 and hit + before + after <= 1.0001

@@ -1,0 +1,95 @@
+"""Which attention head copies add_cot's answer from its chain of thought, and where that copy goes wrong past the
+training length. The answer's digit k (least significant first) repeats step k's sum digit d, which sits at
+position `=` + 5k + 4; the token before the answer digit (the `→` for k = 0) is the query that predicts it. For
+every layer and head, teacher-forced: the attention weight of those queries on their source, and how often the
+source is the key they weigh most. The head with the most weight on the sources at the first length given is
+the copy head; for it, per length and answer digit: the weight on the source, the share of examples whose
+top key is the source, and whose top key is the d of the step before or after (5 tokens off).
+
+    python docs/perf/prism_answer_copy.py RUN 10,12,14 [n]     # RUN: metrics.json (task, config) and model.pt
+
+Run it from the repository root. Results: docs/perf/prism.md ("Where add_cot goes wrong").
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, ".")
+import prism  # noqa: E402
+import train  # noqa: E402
+from model import ModelConfig, batch_context  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+
+def attention_maps(model, task, batch) -> list[torch.Tensor]:
+    """Every PRISM layer's attention weights (B, H, T, T) on the batch, in block order."""
+    maps, weights = [], prism.PrismAttention.weights
+
+    def keep(self, q, k, ctx):
+        w = weights(self, q, k, ctx)
+        maps.append(w.detach())
+        return w
+    prism.PrismAttention.weights = keep
+    try:
+        with torch.no_grad():
+            model(batch.x, batch_context(task, batch, "cpu"))
+    finally:
+        prism.PrismAttention.weights = weights
+    return maps
+
+
+def copy_positions(task, x: torch.Tensor, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, sources), each (n, L): the query that predicts answer digit k and the position of step k's d."""
+    eq = (x == task.stoi["="]).int().argmax(1).numpy()
+    arrow = (x == task.stoi["→"]).int().argmax(1).numpy()
+    k = np.arange(L)[None, :]
+    return arrow[:, None] + k, eq[:, None] + 5 * k + 4
+
+
+def measure(model, task, L: int, n: int, rng) -> np.ndarray:
+    """(layers, heads, L, 4): weight on the source, top key is the source, top key one step before, one after."""
+    batch = task.sample(n, L, rng)
+    q, src = copy_positions(task, batch.x, L)
+    rows = np.arange(n)[:, None]
+    out = []
+    for w in attention_maps(model, task, batch):
+        w = w.numpy()                                              # (n, H, T, T)
+        at = w[rows, :, q, :]                                      # (n, L, H, T)
+        on_src = np.take_along_axis(at, src[:, :, None, None], -1)[..., 0]          # (n, L, H)
+        top = at.argmax(-1)                                        # (n, L, H)
+        s = src[:, :, None]
+        out.append(np.stack([on_src.mean(0), (top == s).mean(0), (top == s - 5).mean(0), (top == s + 5).mean(0)],
+                            -1).transpose(1, 0, 2))               # (H, L, 4)
+    return np.stack(out)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run, lengths, n = Path(argv[0]), [int(a) for a in argv[1].split(",")], int(argv[2]) if len(argv) > 2 else 64
+    meta = json.loads((run / "metrics.json").read_text())
+    task = TASKS[meta["task"]]
+    if task.name != "add_cot":
+        raise SystemExit(f"{run}: an add_cot run, not {task.name}")
+    model = train.build_model(ModelConfig(**meta["config"]["model"]))
+    model.load_state_dict(torch.load(run / "model.pt", map_location="cpu"))
+    model.eval()
+    rng = np.random.default_rng(7)
+    found = {L: measure(model, task, L, n, rng) for L in lengths}
+    first = found[lengths[0]][..., 0].mean(-1)                     # (layers, heads): mean weight on the sources
+    layer, head = np.unravel_index(first.argmax(), first.shape)
+    print(f"{run}: mean attention weight on the copy's source at {lengths[0]} digits, by layer (rows) and head:")
+    for i, row in enumerate(first):
+        print(f"  layer {i}: " + " ".join(f"{v:.2f}" for v in row))
+    print(f"\ncopy head: layer {layer}, head {head}. Per answer digit k (0 = least significant): weight on the source"
+          " / top key is the source / top key one step before / one step after, mean over examples")
+    for L in lengths:
+        cells = [f"k={k}: {w:.2f} / {hit:.2f} / {before:.2f} / {after:.2f}"
+                 for k, (w, hit, before, after) in enumerate(found[L][layer, head])]
+        print(f"{L} digits ({n} sums): " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -339,8 +339,8 @@ class CopyHead(nn.Module):
 
 def reachable_bins(P: int, T: int) -> int:
     """The bins a cursor can reach in T steps (T + 1 counts, rounded up to 8), at most the P it has. Batches
-    come padded to a multiple of 32 tokens on a GPU (train.Step), so T + 1 is one past such a multiple: 8
-    keeps the products' widths aligned and adds 7 bins, where 32 would add 31 (128 bins for 96 tokens)."""
+    come padded to a multiple of train.Step's bucket (8 or more tokens) on a GPU, so T + 1 is one past such a
+    multiple: 8 keeps the products' widths aligned and adds 7 bins, where 32 would add 31 (128 bins for 96 tokens)."""
     return min(P, -(-(T + 1) // 8) * 8)
 
 

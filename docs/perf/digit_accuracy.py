@@ -10,20 +10,19 @@ Runs evaluated before the rows had "by_offset" (upe-mul's and upe-add's runs up 
 a folder is named and skipped.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from evaluation import read_stored, stored  # noqa: E402
+from evaluation import read_metrics, stored  # noqa: E402
+from experiments import seed_metrics  # noqa: E402
 
 
-def seed_files(folder: Path) -> list[Path]:
+def runs_of(folder: Path) -> list[dict]:
     """The metrics of a run folder's seeds, or of the one seed's folder given."""
-    own = folder / "metrics.json"
-    if folder.name.startswith("seed") and stored(own):
-        return [own]
-    return [p / "metrics.json" for p in sorted(folder.glob("seed*")) if stored(p / "metrics.json")]
+    if folder.name.startswith("seed") and stored(folder / "metrics.json"):
+        return [m for m in [read_metrics(folder / "metrics.json", ("eval",))] if m]
+    return seed_metrics(folder, keys=("eval",))
 
 
 def rows_of(metrics: dict, step: int | None) -> list[dict]:
@@ -61,8 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("--below", type=float, default=0.9, help="accuracy that counts as failing (default 0.9)")
     args = parser.parse_args(argv)
     for folder in args.folders:
-        files = seed_files(folder)
-        per_seed = [rows_of(json.loads(read_stored(f)), args.step) for f in files]
+        per_seed = [rows_of(m, args.step) for m in runs_of(folder)]
         per_seed = [rows for rows in per_seed if rows]
         if not per_seed:
             print(f"{folder}: no evaluation with by_offset (run before it was recorded, or no seed*/metrics.json)\n")

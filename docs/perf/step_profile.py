@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     data = [sample_mixed(task, cfg.batch_size, lengths, rng, **cfg.task_opts) if a.as_trained
             else task.sample(cfg.batch_size, length, rng, **cfg.task_opts) for _ in range(a.warm + a.steps)]
-    padded = sorted({-(-b.x.shape[1] // cfg.bucket) * cfg.bucket for b in data})
+    pad = lambda b: -(-b.x.shape[1] // cfg.bucket) * cfg.bucket          # noqa: E731
+    padded = sorted({pad(b) for b in data})
     say(f"{name}: batch {cfg.batch_size} {'of lengths mixed up to' if a.as_trained else 'at length'} {length} "
         f"(padded to {', '.join(map(str, padded))} tokens), {cfg.model.n_layers} layers, d={cfg.model.d_model}, "
         f"on {where}")                                  # each part as soon as it is measured
@@ -133,7 +134,12 @@ def main(argv=None) -> int:
 
     fwd = train.compiled(model) if a.compile else model
     step = train.Step(model, fwd, opt, cfg, task, device)             # (1) as the loop runs it
-    for batch in data[:a.warm]:
+    warm, seen = data[:a.warm], {pad(b) for b in data[:a.warm]}
+    for b in data[a.warm:]:                      # every padded shape captured before the clock starts
+        if pad(b) not in seen:
+            warm.append(b)
+            seen.add(pad(b))
+    for batch in warm:
         step(batch)
     sync(device)
     tic = time.perf_counter()

@@ -561,3 +561,34 @@ def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
     for cell in re.findall(r"k=\d+: ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+)", out):
         w, hit, before, after = map(float, cell)
         assert 0 <= w <= 1 and hit + before + after <= 1.0001
+
+
+def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import run_state
+    finally:
+        sys.path.pop(0)
+    run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3], test_lengths=[2, 5],
+                   eval_every=1, n_eval_during=4)
+    model, meta = run_state.load_model(run)
+    rows = run_state.history(meta)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["n"] == 4 and set(r["exact"]) >= {2, 5} for r in rows)
+    finished = {k: v.clone() for k, v in model.state_dict().items()}
+    (run / "metrics.json").unlink()
+    (run / "model.pt").unlink()                                     # a run stopped between visits: its checkpoint
+    model, meta = run_state.load_model(run)
+    assert meta["step"] == 3 and run_state.history(meta) == rows and not model.training
+    assert all(torch.equal(finished[k], v) for k, v in model.state_dict().items())
+    out = script("run_state.py", run, "--ranges", "1-2,5-5", "--json", tmp_path / "h.json")
+    assert "checkpoint at step 3; 3 evaluations" in out
+    means = [[float(v) for v in line.split("|")[2:4]] for line in out.splitlines() if line.startswith("| 3 |")]
+    want = [sum(v for L, v in rows[-1]["exact"].items() if a <= L <= b) / sum(a <= L <= b for L in rows[-1]["exact"])
+            for a, b in [(1, 2), (5, 5)]]
+    assert means == [[pytest.approx(w, abs=5e-4) for w in want]]
+    saved = json.loads((tmp_path / "h.json").read_text())
+    assert saved["checkpoint_step"] == 3 and [r["step"] for r in saved["evaluations"]] == [1, 2, 3]
+    (run / train.CKPT).unlink()
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "neither metrics.json nor checkpoint.pt" in done.stderr

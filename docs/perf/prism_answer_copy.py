@@ -6,11 +6,10 @@ source is the key they weigh most. The head with the most weight on the sources 
 the copy head; for it, per length and answer digit: the weight on the source, the share of examples whose
 top key is the source, and whose top key is the d of the step before or after (5 tokens off).
 
-    python docs/perf/prism_answer_copy.py RUN 10,12,14 [n]     # RUN: metrics.json (task, config) and model.pt
+    python docs/perf/prism_answer_copy.py RUN 10,12,14 [n]     # RUN: a finished run, or only its checkpoint
 
 Run it from the repository root. Results: docs/perf/prism.md ("Where add_cot goes wrong").
 """
-import json
 import sys
 from pathlib import Path
 
@@ -18,9 +17,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prism  # noqa: E402
-import train  # noqa: E402
-from model import ModelConfig, batch_context  # noqa: E402
+from model import batch_context  # noqa: E402
+from run_state import load_model  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 
@@ -69,13 +69,10 @@ def measure(model, task, L: int, n: int, rng) -> np.ndarray:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     run, lengths, n = Path(argv[0]), [int(a) for a in argv[1].split(",")], int(argv[2]) if len(argv) > 2 else 64
-    meta = json.loads((run / "metrics.json").read_text())
+    model, meta = load_model(run)                        # a finished run, or a checkpoint at any step
     task = TASKS[meta["task"]]
     if task.name != "add_cot":
         raise SystemExit(f"{run}: an add_cot run, not {task.name}")
-    model = train.build_model(ModelConfig(**meta["config"]["model"]))
-    model.load_state_dict(torch.load(run / "model.pt", map_location="cpu"))
-    model.eval()
     rng = np.random.default_rng(7)
     found = {L: measure(model, task, L, n, rng) for L in lengths}
     first = found[lengths[0]][..., 0].mean(-1)                     # (layers, heads): mean weight on the sources

@@ -11,11 +11,11 @@ four tokens (d_a, d_b, c_out, d), or which digit of the answer after '→'.
         --method-opt prism_bins=1280 --method-opt prism_count_bias=1 --out runs
     python docs/perf/prism_cot_errors.py runs/mul_cot/prism/seed0 8,9,10,11,12 256
 
+RUN: a finished run's seed folder, or one that holds only its checkpoint (`run_state.load_model`).
 Run it from the repository root. Results: docs/perf/prism.md ("Where mul_cot goes wrong",
 "Where add_cot goes wrong").
 """
 import collections
-import json
 import sys
 from pathlib import Path
 
@@ -23,17 +23,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, ".")
-import train  # noqa: E402
-from model import ModelConfig, autocast, batch_context  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import autocast, batch_context  # noqa: E402
+from run_state import load_model  # noqa: E402
 from tasks import IGNORE, TASKS  # noqa: E402
 
 run, lengths, n = Path(sys.argv[1]), [int(a) for a in sys.argv[2].split(",")], int(sys.argv[3])
 device = "cuda" if torch.cuda.is_available() else "cpu"
-meta = json.loads((run / "metrics.json").read_text())
+model, meta = load_model(run, device)                    # a finished run, or a checkpoint at any step
 task = TASKS[meta["task"]]
-model = train.build_model(ModelConfig(**meta["config"]["model"])).to(device)          # as prism.plot_run
-model.load_state_dict(torch.load(run / "model.pt", map_location=device))
-model.eval()
 rng = np.random.default_rng(7)
 
 

@@ -12,17 +12,16 @@ any device and evaluates the run as the loop does at each length, once per preci
 It reads the outputs only: training with these products in TF32 is another question. Run it from the
 repository root. Results: docs/perf/prism.md ("TF32 for the position scores?").
 """
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import prism  # noqa: E402
-import train  # noqa: E402
 from evaluation import evaluate  # noqa: E402
-from model import ModelConfig  # noqa: E402
+from run_state import load_model  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 PRECISIONS = {"float32": 23, "tf32": 10, "bfloat16": 7}   # mantissa bits of the products' inputs
@@ -55,12 +54,10 @@ def cursor_scores_at(bits: int):
 def main(argv) -> int:
     run, lengths, n = Path(argv[0]), [int(a) for a in argv[1].split(",")], int(argv[2])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    meta = json.loads((run / "metrics.json").read_text())
+    model, meta = load_model(run, device)                # a finished run, or a checkpoint at any step
     if meta["method"] != "prism":
         raise SystemExit(f"{run} is a {meta['method']!r} run, not prism")
     cfg = meta["config"]
-    model = train.build_model(ModelConfig(**cfg["model"])).to(device)
-    model.load_state_dict(torch.load(run / "model.pt", map_location=device))
     task, plain = TASKS[meta["task"]], prism.cursor_scores
     print(f"{run}: {meta['task']}, trained to {meta['train_max_length']}; exact / token accuracy, "
           f"{n} examples a length")

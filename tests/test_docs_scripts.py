@@ -54,7 +54,7 @@ def test_prism_precision_evaluates_each_precision_on_a_trained_model(tmp_path):
     run = tiny_run(tmp_path, task="copy", method="prism", train_lengths=[1, 2, 3])
     out = script("prism_precision.py", run, "2,6", 4)
     rows = [line.split() for line in out.splitlines()[1:]]
-    assert [r[0] for r in rows] == ["float32", "tf32", "bfloat16"], out
+    assert [r[0] for r in rows] == ["float32", "tf32", "bfloat16", "tf32-fp16", "tf32-bf16"], out
     assert all(r[1] == "2:" and r[5] == "6:" for r in rows), out
 
 
@@ -76,6 +76,9 @@ def test_prism_precision_rounds_as_bfloat16_and_keeps_float32_scores():
     low = prism_precision.cursor_scores_at(7)(hist, gram, 3, 6)
     assert not torch.equal(low, prism.cursor_scores(hist, gram, 3, 6))
     assert torch.allclose(low, prism.cursor_scores(hist, gram, 3, 6), rtol=0.05)
+    tf = prism_precision.cursor_scores_at(10)(hist, gram, 3, 6)
+    half = prism_precision.cursor_scores_at(10, torch.float16)(hist, gram, 3, 6)
+    assert half.dtype == torch.float32 and torch.equal(half, tf.half().float()) and not torch.equal(half, tf)
 
 
 def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
@@ -578,7 +581,8 @@ def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
     (run / "metrics.json").unlink()
     (run / "model.pt").unlink()                                     # a run stopped between visits: its checkpoint
     model, meta = run_state.load_model(run)
-    assert meta["step"] == 3 and run_state.history(meta) == rows and not model.training
+    assert meta["step"] == 3 and meta["train_max_length"] == 3 and run_state.history(meta) == rows
+    assert not model.training
     assert all(torch.equal(finished[k], v) for k, v in model.state_dict().items())
     out = script("run_state.py", run, "--ranges", "1-2,5-5", "--json", tmp_path / "h.json")
     assert "checkpoint at step 3; 3 evaluations" in out

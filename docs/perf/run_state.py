@@ -25,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
 from evaluation import read_stored, stored  # noqa: E402
 from model import ModelConfig  # noqa: E402
+from tasks import TASKS  # noqa: E402
 
 
 def read(run) -> tuple[dict, dict | None]:
     """(meta, state_dict or None): metrics.json(.gz) and model.pt if the run finished, else its checkpoint.
-    meta has the run's task, method, config and history, and `step` for a checkpoint."""
+    meta has the run's task, method, config, history and train_max_length, and `step` for a checkpoint."""
     run = Path(run)
     if stored(run / "metrics.json"):
         meta = json.loads(read_stored(run / "metrics.json"))
@@ -38,8 +39,9 @@ def read(run) -> tuple[dict, dict | None]:
     if (run / train.CKPT).exists():
         ckpt = torch.load(run / train.CKPT, map_location="cpu", weights_only=False)
         cfg = ckpt["config"]
+        lengths = cfg.get("train_lengths") or TASKS[cfg["task"]].train_lengths            # as train.train
         meta = {"task": cfg["task"], "method": cfg["method"], "config": cfg, "history": ckpt["history"],
-                "step": ckpt["step"]}
+                "step": ckpt["step"], "train_max_length": max(lengths)}
         return meta, ckpt["model"]
     raise FileNotFoundError(f"{run}: neither metrics.json nor {train.CKPT}")
 

@@ -173,6 +173,9 @@ def position_scores(gq, gk, alpha):
 # paper-size runs' shapes the compiled PyTorch path is faster (docs/perf/prism.md).
 SCORES_BACKEND = "torch"
 SCORES_KERNEL_BINS = 128
+# the dtype the scores are kept in between the position update and the blocks that read them: float32; float16
+# halves their traffic (a measurement of speed, docs/perf/step_profile.py --half-scores; not used in training)
+SCORES_DTYPE = torch.float32
 
 
 def cursor_scores(hist, gram, H: int, d: int):
@@ -196,7 +199,7 @@ def cursor_scores(hist, gram, H: int, d: int):
         sq = (hg * hist).sum(-1)                                          # |g|^2 of each cursor
         dots = hg[0].reshape(B, H, O, T, P) @ hist[1].reshape(B, H, O, T, P).transpose(-1, -2)
     norm = sq.view(2, B, H, O, T).sum(3).clamp(min=1e-12).sqrt()          # Algorithm 3, over (O, d): (2, B, H, T)
-    return dots * (d / O) ** 0.5 / (norm[0][:, :, None, :, None] * norm[1][:, :, None, None, :])
+    return (dots * (d / O) ** 0.5 / (norm[0][:, :, None, :, None] * norm[1][:, :, None, None, :])).to(SCORES_DTYPE)
 
 
 def sides_first(x):

@@ -277,6 +277,25 @@ def test_scores_through_the_gram_matrix_are_algorithms_2_to_4():
         assert torch.allclose(a, b, atol=1e-4)
 
 
+def test_scores_kept_in_float16_are_the_float32_scores_rounded_and_mix_in_float32(monkeypatch):
+    """prism.SCORES_DTYPE (a speed measurement's switch): the scores come out in it, rounded from the float32
+    ones; a block's mix of them is float32, and the histograms' gradient flows through them."""
+    torch.manual_seed(0)
+    H, O, T, P, d = 2, 4, 9, 16, 7
+    table = sinusoid_table(P, d)
+    hist = (4 * torch.randn(2, 2, H * O, T, P)).softmax(-1).requires_grad_()
+    alpha = torch.randn(H, O)
+    full = cursor_scores(hist, table @ table.T, H, d)
+    monkeypatch.setattr(prism, "SCORES_DTYPE", torch.float16)
+    half = cursor_scores(hist, table @ table.T, H, d)
+    assert half.dtype == torch.float16 and torch.equal(half, full.half()) and not torch.equal(half.float(), full)
+    mixed = mix_cursors(half, alpha)
+    assert mixed.dtype == torch.float32 and torch.allclose(mixed, mix_cursors(full, alpha), atol=5e-3)
+    (grad,) = torch.autograd.grad(mixed.sum(), hist)
+    (want,) = torch.autograd.grad(mix_cursors(full, alpha).sum(), hist)
+    assert torch.allclose(grad, want, rtol=1e-2, atol=1e-3 * want.abs().max())
+
+
 INTERPRETER_ONLY = pytest.mark.skipif(GPU, reason="float32 through the interpreter; on a GPU the kernels compute in "
                                       "TF32, compared by test_scores_through_the_gram_matrix_on_cuda_at_the_papers_size")
 

@@ -18,7 +18,8 @@ evaluates during training, where that takes fewer examples) and the run's projec
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
 alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
 --tf32 time PRISM's step with another warp count in its scan or with TF32 products, --scores-kernel with its
-cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND). --tiny shrinks the
+cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND), --half-scores with the scores kept in float16
+(prism.SCORES_DTYPE). --tiny shrinks the
 model: a check that the script runs, not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", type=int, help="(1) batches padded to a multiple of this many tokens (train.py --bucket)")
     p.add_argument("--as-trained", action="store_true", help="batches of every training length mixed, as in training")
     p.add_argument("--scores-kernel", action="store_true", help="PRISM: the cursor scores' Triton kernels")
+    p.add_argument("--half-scores", action="store_true", help="PRISM: the scores kept in float16 (prism.SCORES_DTYPE)")
     a = p.parse_args(argv)
     if a.profile_compiled and not a.compile:
         p.error("--profile-compiled profiles the compiled model: add --compile")
@@ -109,6 +111,9 @@ def main(argv=None) -> int:
         from kernels import prism_scan
         prism_scan.WARPS = a.scan_warps
     torch.backends.cuda.matmul.allow_tf32 = a.tf32
+    if a.half_scores:
+        import prism
+        prism.SCORES_DTYPE = torch.float16
     if a.scores_kernel:
         import prism
         prism.SCORES_BACKEND = "triton"
@@ -188,7 +193,8 @@ def main(argv=None) -> int:
 
     numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
                    compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
-                   scores_kernel=a.scores_kernel, bucket=cfg.bucket, as_trained=a.as_trained, padded=padded,
+                   scores_kernel=a.scores_kernel, half_scores=a.half_scores, bucket=cfg.bucket,
+                   as_trained=a.as_trained, padded=padded,
                    device=where, batch=cfg.batch_size, length=length, steps_per_s=rate, eager_busy_ms=busy,
                    eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top, git=train.git_hash())
     if not a.no_eval:

@@ -564,6 +564,17 @@ def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
     for cell in re.findall(r"k=\d+: ([\d.]+) / ([\d.]+) / ([\d.]+) / ([\d.]+)", out):
         w, hit, before, after = map(float, cell)
         assert 0 <= w <= 1 and hit + before + after <= 1.0001
+    for a, b, ends in [(928, 30, "+"), (30, 928, "="), (5, 71, "=")]:     # the longer operand: a, b, b
+        tokens, _ = task.tokens(a, b)
+        x = torch.tensor([task.encode(tokens)])
+        q, src = prism_answer_copy.next_digit_positions(task, x, len(str(max(a, b))))
+        assert [tokens[i + 1] for i in q[0]][-1] == "→" and set(tokens[i + 1] for i in q[0][:-1]) <= {","}
+        longer = str(max(a, b))[::-1]
+        assert [tokens[i] for i in src[0]] == list(longer[1:]) + [ends]
+    out = script("prism_answer_copy.py", run, "3,4", 8, "--read-a")
+    assert "reading head: layer 0, head 0" in out and "the longer operand's next digit" in out
+    lines = [line for line in out.splitlines() if " digits (8 sums)" in line]
+    assert [line.count("k=") for line in lines] == [3, 4]
 
 
 def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):

@@ -7,6 +7,12 @@ the copy head; for it, per length and answer digit: the weight on the source, th
 top key is the source, and whose top key is the d of the step before or after (5 tokens off).
 
     python docs/perf/prism_answer_copy.py RUN 10,12,14 [n]     # RUN: a finished run, or only its checkpoint
+    python docs/perf/prism_answer_copy.py RUN 10,12,14 [n] --read-a         # the end of the chain
+
+With --read-a the same for the end of the chain: the query is step k's sum digit d, which predicts the `,` that
+goes on or the `→` that ends the chain, and its source is digit k + 1 of the operand with the most digits (a or b,
+at random): at the last step the `+` after a or the `=` after b, the token that says the chain ends. "Before" and
+"after" are one digit off.
 
 Run it from the repository root. Results: docs/perf/prism.md ("Where add_cot goes wrong").
 """
@@ -49,10 +55,19 @@ def copy_positions(task, x: torch.Tensor, L: int) -> tuple[np.ndarray, np.ndarra
     return arrow[:, None] + k, eq[:, None] + 5 * k + 4
 
 
-def measure(model, task, L: int, n: int, rng) -> np.ndarray:
-    """(layers, heads, L, 4): weight on the source, top key is the source, top key one step before, one after."""
+def next_digit_positions(task, x: torch.Tensor, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """(queries, sources), each (n, L): step k's d (which predicts `,` or `→`) and digit k + 1 of the operand with L
+    digits (a or b, the other has 1..L), which for k = L - 1 is the `+` after a or the `=` after b."""
+    eq = (x == task.stoi["="]).int().argmax(1).numpy()[:, None]
+    plus = (x == task.stoi["+"]).int().argmax(1).numpy()[:, None]     # a's length
+    k = np.arange(L)[None, :]
+    return eq + 5 * k + 4, np.where(plus == L, k + 1, plus + 2 + k)
+
+
+def measure(model, task, L: int, n: int, rng, positions=copy_positions, off: int = 5) -> np.ndarray:
+    """(layers, heads, L, 4): weight on the source, top key is the source, top key `off` before, `off` after."""
     batch = task.sample(n, L, rng)
-    q, src = copy_positions(task, batch.x, L)
+    q, src = positions(task, batch.x, L)
     rows = np.arange(n)[:, None]
     out = []
     for w in attention_maps(model, task, batch):
@@ -61,27 +76,33 @@ def measure(model, task, L: int, n: int, rng) -> np.ndarray:
         on_src = np.take_along_axis(at, src[:, :, None, None], -1)[..., 0]          # (n, L, H)
         top = at.argmax(-1)                                        # (n, L, H)
         s = src[:, :, None]
-        out.append(np.stack([on_src.mean(0), (top == s).mean(0), (top == s - 5).mean(0), (top == s + 5).mean(0)],
+        out.append(np.stack([on_src.mean(0), (top == s).mean(0), (top == s - off).mean(0), (top == s + off).mean(0)],
                             -1).transpose(1, 0, 2))               # (H, L, 4)
     return np.stack(out)
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    read_a = "--read-a" in argv
+    argv = [a for a in argv if a != "--read-a"]
     run, lengths, n = Path(argv[0]), [int(a) for a in argv[1].split(",")], int(argv[2]) if len(argv) > 2 else 64
     model, meta = load_model(run)                        # a finished run, or a checkpoint at any step
     task = TASKS[meta["task"]]
     if task.name != "add_cot":
         raise SystemExit(f"{run}: an add_cot run, not {task.name}")
     rng = np.random.default_rng(7)
-    found = {L: measure(model, task, L, n, rng) for L in lengths}
+    how = (next_digit_positions, 1) if read_a else (copy_positions, 5)
+    found = {L: measure(model, task, L, n, rng, *how) for L in lengths}
     first = found[lengths[0]][..., 0].mean(-1)                     # (layers, heads): mean weight on the sources
     layer, head = np.unravel_index(first.argmax(), first.shape)
-    print(f"{run}: mean attention weight on the copy's source at {lengths[0]} digits, by layer (rows) and head:")
+    what, k_is, off = (("the longer operand's next digit", "step", "one digit") if read_a else
+                       ("the copy's source", "answer digit", "one step"))
+    print(f"{run}: mean attention weight on {what} at {lengths[0]} digits, by layer (rows) and head:")
     for i, row in enumerate(first):
         print(f"  layer {i}: " + " ".join(f"{v:.2f}" for v in row))
-    print(f"\ncopy head: layer {layer}, head {head}. Per answer digit k (0 = least significant): weight on the source"
-          " / top key is the source / top key one step before / one step after, mean over examples")
+    print(f"\n{'reading' if read_a else 'copy'} head: layer {layer}, head {head}. Per {k_is} k (0 = least "
+          f"significant): weight on the source / top key is the source / top key {off} before / {off} after, mean "
+          "over examples")
     for L in lengths:
         cells = [f"k={k}: {w:.2f} / {hit:.2f} / {before:.2f} / {after:.2f}"
                  for k, (w, hit, before, after) in enumerate(found[L][layer, head])]

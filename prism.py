@@ -173,8 +173,8 @@ def position_scores(gq, gk, alpha):
 # paper-size runs' shapes the compiled PyTorch path is faster (docs/perf/prism.md).
 SCORES_BACKEND = "torch"
 SCORES_KERNEL_BINS = 128
-# the dtype the scores are kept in between the position update and the blocks that read them: float32; float16
-# halves their traffic (a measurement of speed, docs/perf/step_profile.py --half-scores; not used in training)
+# the dtype the scores are kept in between the position update and the blocks that read them: float32. float16
+# halves their traffic; it is a switch for timing that (docs/perf/step_profile.py --half-scores), no run sets it.
 SCORES_DTYPE = torch.float32
 
 

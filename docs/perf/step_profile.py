@@ -19,8 +19,8 @@ steps at (1)'s rate plus its evaluations. Data is made before the clock starts, 
 alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
 --tf32 time PRISM's step with another warp count in its scan or with TF32 products, --scores-kernel with its
 cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND), --half-scores with the scores kept in float16
-(prism.SCORES_DTYPE). --tiny shrinks the
-model: a check that the script runs, not a measurement. Run it from the repository root.
+(prism.SCORES_DTYPE). --tiny shrinks the model: a check that the script runs, not a measurement. Run it from the
+repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
 from __future__ import annotations

@@ -575,6 +575,15 @@ def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
     assert "reading head: layer 0, head 0" in out and "the longer operand's next digit" in out
     lines = [line for line in out.splitlines() if " digits (8 sums)" in line]
     assert [line.count("k=") for line in lines] == [3, 4]
+    for L in (3, 4):
+        (ra, na, rb, nb), = re.findall(rf"^{L} digits: (\d+) of (\d+) / (\d+) of (\d+)$", out, re.M)
+        assert int(na) + int(nb) == 8 and int(ra) <= int(na) and int(rb) <= int(nb)
+    x = torch.tensor([task.encode(task.tokens(a, b)[0])[:23] for a, b in [(928, 30), (30, 928)]])  # a, b longer
+    right = torch.nn.functional.one_hot(torch.roll(x, -1, 1), len(task.vocab)).float()   # each next token
+    assert prism_answer_copy.chain_ends(task, x, right, 3) == {"a": (1, 1), "b": (1, 1)}
+    wrong = right.clone()
+    wrong[:, 20] = torch.nn.functional.one_hot(torch.tensor(task.stoi[","]), len(task.vocab)).float()
+    assert prism_answer_copy.chain_ends(task, x, wrong, 3) == {"a": (1, 0), "b": (1, 0)}
 
 
 def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):

@@ -12,7 +12,8 @@ top key is the source, and whose top key is the d of the step before or after (5
 With --read-a the same for the end of the chain: the query is step k's sum digit d, which predicts the `,` that
 goes on or the `→` that ends the chain, and its source is digit k + 1 of the operand with the most digits (a or b,
 at random): at the last step the `+` after a or the `=` after b, the token that says the chain ends. "Before" and
-"after" are one digit off.
+"after" are one digit off. It also counts the sums whose last step's sum digit predicts `→`, apart for those whose
+longer operand is a and those whose longer operand is b.
 
 Run it from the repository root. Results: docs/perf/prism.md ("Where add_cot goes wrong").
 """
@@ -30,8 +31,8 @@ from run_state import load_model  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 
-def attention_maps(model, task, batch) -> list[torch.Tensor]:
-    """Every PRISM layer's attention weights (B, H, T, T) on the batch, in block order."""
+def attention_maps(model, task, batch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every PRISM layer's attention weights (B, H, T, T) on the batch, in block order, and the logits."""
     maps, weights = [], prism.PrismAttention.weights
 
     def keep(self, q, k, ctx):
@@ -41,10 +42,10 @@ def attention_maps(model, task, batch) -> list[torch.Tensor]:
     prism.PrismAttention.weights = keep
     try:
         with torch.no_grad():
-            model(batch.x, batch_context(task, batch, "cpu"))
+            logits = model(batch.x, batch_context(task, batch, "cpu"))
     finally:
         prism.PrismAttention.weights = weights
-    return maps
+    return maps, logits
 
 
 def copy_positions(task, x: torch.Tensor, L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,13 +65,24 @@ def next_digit_positions(task, x: torch.Tensor, L: int) -> tuple[np.ndarray, np.
     return eq + 5 * k + 4, np.where(plus == L, k + 1, plus + 2 + k)
 
 
-def measure(model, task, L: int, n: int, rng, positions=copy_positions, off: int = 5) -> np.ndarray:
-    """(layers, heads, L, 4): weight on the source, top key is the source, top key `off` before, `off` after."""
+def chain_ends(task, x: torch.Tensor, logits: torch.Tensor, L: int) -> dict:
+    """Teacher-forced: of the sums whose a has L digits (b too, or fewer), then of those whose b alone has L, how
+    many, and in how many the last step's sum digit predicts `→` (the chain ends where it should)."""
+    eq = (x == task.stoi["="]).int().argmax(1)
+    a_longer = (x == task.stoi["+"]).int().argmax(1) == L
+    ends = logits[torch.arange(len(x)), eq + 5 * (L - 1) + 4].argmax(-1) == task.stoi["→"]
+    return {side: (int(m.sum()), int((ends & m).sum())) for side, m in (("a", a_longer), ("b", ~a_longer))}
+
+
+def measure(model, task, L: int, n: int, rng, positions=copy_positions, off: int = 5) -> tuple[np.ndarray, dict]:
+    """(layers, heads, L, 4): weight on the source, top key is the source, top key `off` before, `off` after; and
+    `chain_ends` of the same sums."""
     batch = task.sample(n, L, rng)
     q, src = positions(task, batch.x, L)
     rows = np.arange(n)[:, None]
     out = []
-    for w in attention_maps(model, task, batch):
+    maps, logits = attention_maps(model, task, batch)
+    for w in maps:
         w = w.numpy()                                              # (n, H, T, T)
         at = w[rows, :, q, :]                                      # (n, L, H, T)
         on_src = np.take_along_axis(at, src[:, :, None, None], -1)[..., 0]          # (n, L, H)
@@ -78,7 +90,7 @@ def measure(model, task, L: int, n: int, rng, positions=copy_positions, off: int
         s = src[:, :, None]
         out.append(np.stack([on_src.mean(0), (top == s).mean(0), (top == s - off).mean(0), (top == s + off).mean(0)],
                             -1).transpose(1, 0, 2))               # (H, L, 4)
-    return np.stack(out)
+    return np.stack(out), chain_ends(task, batch.x, logits, L)
 
 
 def main(argv=None) -> None:
@@ -92,7 +104,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"{run}: an add_cot run, not {task.name}")
     rng = np.random.default_rng(7)
     how = (next_digit_positions, 1) if read_a else (copy_positions, 5)
-    found = {L: measure(model, task, L, n, rng, *how) for L in lengths}
+    found, ends = {}, {}
+    for L in lengths:
+        found[L], ends[L] = measure(model, task, L, n, rng, *how)
     first = found[lengths[0]][..., 0].mean(-1)                     # (layers, heads): mean weight on the sources
     layer, head = np.unravel_index(first.argmax(), first.shape)
     what, k_is, off = (("the longer operand's next digit", "step", "one digit") if read_a else
@@ -107,6 +121,12 @@ def main(argv=None) -> None:
         cells = [f"k={k}: {w:.2f} / {hit:.2f} / {before:.2f} / {after:.2f}"
                  for k, (w, hit, before, after) in enumerate(found[L][layer, head])]
         print(f"{L} digits ({n} sums): " + "; ".join(cells))
+    if read_a:
+        print("\nthe last step's sum digit predicts `→` (teacher-forced), in sums whose operand with the most "
+              "digits is a / b:")
+        for L in lengths:
+            (na, ra), (nb, rb) = ends[L]["a"], ends[L]["b"]
+            print(f"{L} digits: {ra} of {na} / {rb} of {nb}")
 
 
 if __name__ == "__main__":

@@ -616,3 +616,26 @@ def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "neither metrics.json nor checkpoint.pt" in done.stderr
+
+
+def test_prism_hist_reach_reads_each_steps_histograms_and_runs_on_a_trained_model(tmp_path):
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        import prism_hist_reach
+    finally:
+        sys.path.pop(0)
+    from tasks import TASKS
+    task = TASKS["add_cot"]
+    x = torch.tensor([task.encode(task.tokens(928, 30)[0])])        # `=` at 6: the steps' d at 10, 15, 20
+    T, P = x.shape[1], 32
+    hist = torch.nn.functional.one_hot(torch.arange(T), P).float()   # each cursor at bin t, all its mass there
+    hist = torch.stack([hist, 0.5 * hist + 0.5 * hist.roll(1, -1)])[:, None, None]   # (2, 1, 1, T, P)
+    centre, peak = prism_hist_reach.at_steps(task, x, hist, 3)
+    assert centre.shape == (3, 1, 2, 1) and centre[:, 0, 0, 0].tolist() == [10, 15, 20]
+    assert centre[:, 0, 1, 0].tolist() == [10.5, 15.5, 20.5] and peak[:, 0, :, 0].tolist() == [[1, 0.5]] * 3
+    run = tiny_run(tmp_path, task="add_cot", method="prism", train_lengths=[1, 2, 3])
+    out = script("prism_hist_reach.py", run, "3,4", 8)
+    lines = {line.split(" digits")[0]: line for line in out.splitlines() if " digits: " in line}
+    assert set(lines) == {"3", "4"} and lines["4"].count("k=") == 4
+    shares = [float(v) for v in re.findall(r"k=\d+: ([\d.]+) / ([\d.]+),", lines["3"])[0]]
+    assert shares == [0.0, 0.0]                                     # no cursor is past its own reach at 3

@@ -639,3 +639,4 @@ def test_prism_hist_reach_reads_each_steps_histograms_and_runs_on_a_trained_mode
     assert set(lines) == {"3", "4"} and lines["4"].count("k=") == 4
     shares = [float(v) for v in re.findall(r"k=\d+: ([\d.]+) / ([\d.]+),", lines["3"])[0]]
     assert shares == [0.0, 0.0]                                     # no cursor is past its own reach at 3
+    assert "past their reach in most sums at steps 3-3 of 4 digits (" in out and " of 1 heads;" in out

@@ -5,7 +5,8 @@ sum digit d (position `=` + 5k + 4), read two ways. Its peak (the largest bin's 
 over neighbouring bins has a low peak. Its centre (the mass-weighted mean bin), against the largest centre the same
 cursor reaches on the sums of the first length given (the training length): a cursor past it sits on bins that the
 first length never showed it. Per step k: the share of cursors past their first-length reach (by more than half a
-bin) and the 10 % quantile of the peaks, over cursors and sums.
+bin) and the 10 % quantile of the peaks, over cursors and sums; then, at the last length, the cursors past their
+reach in most sums at the steps past the first length, by head (a head's cursors serve it in every block).
 
     python docs/perf/prism_hist_reach.py RUN 10,12,14 [n]     # RUN: a finished run, or only its checkpoint
 
@@ -74,6 +75,17 @@ def main(argv=None) -> None:
         cells = [f"k={k}: {past[k, 0].mean():.2f} / {past[k, 1].mean():.2f}, "
                  f"{peak[k, :, 0].quantile(0.1):.2f} / {peak[k, :, 1].quantile(0.1):.2f}" for k in range(L)]
         print(f"{L} digits: " + "; ".join(cells))
+    last, first = lengths[-1], lengths[0]
+    if last > first:                                     # which cursors: over the steps past the first length
+        H = model.cfg.n_heads
+        past = (steps[last][0][first:] > reach + 0.5).float().mean((0, 1)).view(2, H, -1)   # (2, H, O)
+        held = [(h, side, c) for h in range(H) for side in (0, 1) for c in range(past.shape[-1])
+                if past[side, h, c] > 0.5]
+        heads = sorted({h for h, _, _ in held})
+        print(f"\npast their reach in most sums at steps {first}-{last - 1} of {last} digits ({len(heads)} of {H} "
+              "heads; head: query cursors q<c>, key cursors k<c>):")
+        print("  " + "; ".join(f"{h}: " + " ".join(f"{'qk'[side]}{c}" for g, side, c in held if g == h)
+                               for h in heads))
 
 
 if __name__ == "__main__":

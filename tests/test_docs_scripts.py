@@ -1,6 +1,7 @@
 """The measurement scripts of docs/perf run against the code as it is: each one on a tiny trained
 run (or, for the GPU profiler, its imports and option parsing), so that a change of the loop's or a
 method's interface that breaks one of them fails here rather than the next time someone measures."""
+import importlib
 import json
 import os
 import re
@@ -24,6 +25,15 @@ def tiny_run(tmp_path, **values) -> Path:
                            "n_layers": 1, "n_heads": 1, "out": str(tmp_path), **values}, "cpu")
     train.train(cfg, log=lambda *_: None)
     return cfg.run_dir()
+
+
+def perf_module(name: str):
+    """A docs/perf script imported as a module (its sibling imports resolve as when it runs)."""
+    sys.path.insert(0, str(ROOT / "docs" / "perf"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def script(name: str, *args) -> str:
@@ -59,11 +69,7 @@ def test_prism_precision_evaluates_each_precision_on_a_trained_model(tmp_path):
 
 
 def test_prism_precision_rounds_as_bfloat16_and_keeps_float32_scores():
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import prism_precision
-    finally:
-        sys.path.pop(0)
+    prism_precision = perf_module("prism_precision")
     import prism
     x = torch.randn(4096) * 100
     assert torch.equal(prism_precision.rounded(x, 7), x.bfloat16().float())  # random values: no ties
@@ -82,11 +88,7 @@ def test_prism_precision_rounds_as_bfloat16_and_keeps_float32_scores():
 
 
 def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import path_profile
-    finally:
-        sys.path.pop(0)
+    path_profile = perf_module("path_profile")
     missing = [name for name in path_profile.TRITON_KERNELS if not hasattr(path_profile.kp, name)]
     assert not missing, f"path_profile.py times kernels that kernels/path_attention.py lacks: {missing}"
     for name in ("launch", "UT_WARPS", "CHUNK", "SPLIT_DKL", "DKL_TILE"):   # what its sweeps patch
@@ -127,11 +129,7 @@ def test_vipe_margins_probes_each_vipe_layer_in_both_precisions(tmp_path):
 
 
 def margins_module():
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import vipe_margins
-    finally:
-        sys.path.pop(0)
+    vipe_margins = perf_module("vipe_margins")
     return vipe_margins
 
 
@@ -211,11 +209,7 @@ def test_loss_jumps_reads_its_own_json_back_and_draws_it(tmp_path):
 def test_loss_jumps_settled_needs_a_whole_window_below_the_threshold():
     """A single low batch in the learning phase does not count as settled; the highest loss is read
     from the settled step on, so a dip before it is not a jump after it."""
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import loss_jumps
-    finally:
-        sys.path.pop(0)
+    loss_jumps = perf_module("loss_jumps")
     losses = [(1, 2.0), (2, 0.005), (3, 0.3), (4, 0.004), (5, 0.003), (6, 0.002), (7, 0.2), (8, 0.001),
               (9, 0.001), (10, 0.001), (11, 0.002), (12, 0.0005)]
     assert loss_jumps.settled(losses, 3) == 4 and loss_jumps.settled(losses, 4) == 8
@@ -380,11 +374,7 @@ def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
                                             ["mix, 3 blocks", "batched matrix product"],
                                             ["mix, 3 blocks", "every block in one pass"]], text
     assert all(r[2] > 0 for r in got["rows"])
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import prism_parts
-    finally:
-        sys.path.pop(0)
+    prism_parts = perf_module("prism_parts")
     import prism
     scores, alpha = torch.randn(2, 3, 4, 5, 6), torch.randn(3, 4)
     assert torch.allclose(prism_parts.mix_matmul(scores, alpha), prism.mix_cursors(scores, alpha), atol=1e-5)
@@ -443,8 +433,7 @@ def test_vipe_hypotheses_commands_run_and_its_table_picks_the_best_checkpoint(tm
     """Every variant's command is one the command line takes (base, with its evaluations during training, and
     s2 run here at a tiny size); the table reads them, and its checkpoint rule picks, per seed, the evaluation
     with the best 17-24 of the paper's reading (hand-made metrics: step 2000's 0.5 over the end's 0.25)."""
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    import vipe_hypotheses as vh
+    vh = perf_module("vipe_hypotheses")
     cmds = vh.commands("parity", "0", str(tmp_path / "runs"))
     assert len(cmds) == len(vh.VARIANTS) and all(c.startswith("python train.py ") for c in cmds)
     tiny = ["--preset", "cpu", "--steps", "4", "--d-model", "16", "--batch-size", "4", "--n-eval", "2",
@@ -493,8 +482,7 @@ def test_compact_results_thins_curves_and_keeps_every_evaluation(tmp_path):
     """compact_results.thin: 1,000 logged losses become at most 200 points with the last one kept, a spike
     between two kept points stays in loss_peak, values keep 4 significant digits; the evaluation rows and the
     evaluations during training are unchanged, and a short curve (a summary's) is left as it is."""
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    import compact_results
+    compact_results = perf_module("compact_results")
     loss = [[s, 1.0 / s] for s in range(1, 1001)]
     peak = [list(p) for p in loss]
     peak[502] = [503, 7.123456]                                   # a jump at a step no thinned loss point has
@@ -545,11 +533,7 @@ def test_digit_accuracy_tables_each_length_by_offset_and_skips_runs_without_it(t
 
 
 def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import prism_answer_copy
-    finally:
-        sys.path.pop(0)
+    prism_answer_copy = perf_module("prism_answer_copy")
     from tasks import TASKS
     task = TASKS["add_cot"]
     tokens, _ = task.tokens(928, 30)               # 8 2 9 + 0 3 = 8 0 0 8 , 2 3 0 5 , 9 0 0 9 → 8 5 9 .
@@ -587,11 +571,7 @@ def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
 
 
 def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import run_state
-    finally:
-        sys.path.pop(0)
+    run_state = perf_module("run_state")
     run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3], test_lengths=[2, 5],
                    eval_every=1, n_eval_during=4)
     model, meta = run_state.load_model(run)
@@ -619,11 +599,7 @@ def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
 
 
 def test_prism_hist_reach_reads_each_steps_histograms_and_runs_on_a_trained_model(tmp_path):
-    sys.path.insert(0, str(ROOT / "docs" / "perf"))
-    try:
-        import prism_hist_reach
-    finally:
-        sys.path.pop(0)
+    prism_hist_reach = perf_module("prism_hist_reach")
     from tasks import TASKS
     task = TASKS["add_cot"]
     x = torch.tensor([task.encode(task.tokens(928, 30)[0])])        # `=` at 6: the steps' d at 10, 15, 20

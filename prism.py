@@ -174,7 +174,7 @@ def position_scores(gq, gk, alpha):
 SCORES_BACKEND = "torch"
 SCORES_KERNEL_BINS = 128
 # the dtype the scores are kept in between the position update and the blocks that read them: float32. float16
-# halves their traffic; it is a switch for timing that (docs/perf/step_profile.py --half-scores), no run sets it.
+# halves their traffic: a switch for timing (docs/perf/step_profile.py --half-scores) that no run sets.
 SCORES_DTYPE = torch.float32
 
 

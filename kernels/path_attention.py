@@ -29,7 +29,8 @@ FlashAttention:
   2. the earlier blocks m = i-1 ... aR of its chunk, right to left: score with the query state Q~
      (float32, in registers), and carry it through P_m:  Q~ <- Q~ - Q~ M_m;
   3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, and Q~ <- Q~ PL_b.
-In both loops the next state is formed before the current one scores, so that the two overlap.
+In both loops the next state is formed before the current one scores, so that the two overlap. For the
+head dims of SPLIT_FWD, a first launch forms and stores the states alone, a second scores them.
 
 Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
 before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
@@ -69,7 +70,8 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 # LAUNCH holds what differs from DEFAULT per head dim.
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
-               dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3))
+               dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3),
+               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
@@ -102,6 +104,12 @@ SPLIT_DM: set[int] = {128}
 # the tests run both ways.
 CHUNK_WU: set[int] = {128}
 CHUNK_WU_BWD: set[int] = set()
+
+# Head dims whose forward runs `_fwd` twice (SPLIT_FWD): first carrying the query states alone and storing them
+# (launch "states"), then scoring the stored states (launch "scores"), whose loops then hold no float32 state in
+# registers, against `_fwd` doing both at once (launch "fwd"). The states are then stored without a backward too.
+# The same products in the same order: the output is the fused kernel's. Not a default yet (untimed).
+SPLIT_FWD: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -179,61 +187,76 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
          KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
-         WU: tl.constexpr):
+         WU: tl.constexpr, CARRY: tl.constexpr = True, SCORE: tl.constexpr = True):
+    """One query block. CARRY and SCORE (the default) do both at once; for the head dims of SPLIT_FWD
+    two launches share the work: CARRY alone forms the states and stores them (QS, QL), SCORE alone
+    loads them, so its loops hold no float32 state."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
     row = bh * T + i * BL + rc                                       # (BL,) query rows
-    q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
-    if HAS_G:
-        gq = tl.load(G + row) * LOG2E
-    # 1. diagonal block: logits precomputed inside the block
-    s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
-    if HAS_G:
-        s += gq[:, None] - gq[None, :]
-    s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
-    mx = tl.max(s, 1)
-    p = tl.exp2(s - mx[:, None])
-    lsum = tl.sum(p, 1)
-    v = tl.load(V + row[:, None] * DV + rv[None, :])
-    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                            # (BL, DV) float32
+    if CARRY:
+        q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
+    if SCORE:
+        if HAS_G:
+            gq = tl.load(G + row) * LOG2E
+        # 1. diagonal block: logits precomputed inside the block
+        s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
+        if HAS_G:
+            s += gq[:, None] - gq[None, :]
+        s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
+        mx = tl.max(s, 1)
+        p = tl.exp2(s - mx[:, None])
+        lsum = tl.sum(p, 1)
+        v = tl.load(V + row[:, None] * DV + rv[None, :])
+        acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                        # (BL, DV) float32
     # 2. the earlier blocks of this chunk, right to left
     a = i // R
     first = bh * n_intra + _intra(i, R)
     for t in range(0, i - a * R):
         m = i - 1 - t
         col = bh * T + m * BL + rc
-        kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        qk = q.to(kh.dtype)
-        if SAVE:
-            tl.store(QS + (first + t) * BL * D + tile, qk)
-        # the next state, while this one scores
-        q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
-        s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
-        if HAS_G:
-            s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
-        v = tl.load(V + col[:, None] * DV + rv[None, :])
-        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+        if SCORE:
+            kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        if CARRY:
+            qk = q.to(KH.dtype.element_ty)
+            if SAVE:
+                tl.store(QS + (first + t) * BL * D + tile, qk)
+            # the next state, while this one scores
+            q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
+        else:
+            qk = tl.load(QS + (first + t) * BL * D + tile)
+        if SCORE:
+            s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
+            if HAS_G:
+                s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
+            v = tl.load(V + col[:, None] * DV + rv[None, :])
+            mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
     # 3. the earlier chunks, right to left, one state each
     first = bh * n_inter + _inter(i, R)
     for t in range(0, a):
         b = a - 1 - t
-        qk = q.to(KL.dtype.element_ty)
-        if SAVE:
-            tl.store(QL + (first + b) * BL * D + tile, qk)
-        if b > 0:                                          # the next state, while this one scores
-            pl = _square(PL, bh * n_chunks + b, rd, D)                # fp16 with WU
-            q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
-            ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
-            kl = tl.load(KL + ck[:, None] * D + rd[None, :])
-            sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
-            if HAS_G:
-                sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
-            vk = tl.load(V + ck[:, None] * DV + rv[None, :])
-            mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
-    tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
-    tl.store(LSE + row, mx + tl.log2(lsum))
+        if CARRY:
+            qk = q.to(KL.dtype.element_ty)
+            if SAVE:
+                tl.store(QL + (first + b) * BL * D + tile, qk)
+            if b > 0:                                      # the next state, while this one scores
+                pl = _square(PL, bh * n_chunks + b, rd, D)            # fp16 with WU
+                q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
+        else:
+            qk = tl.load(QL + (first + b) * BL * D + tile)
+        if SCORE:
+            for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
+                ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
+                kl = tl.load(KL + ck[:, None] * D + rd[None, :])
+                sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
+                if HAS_G:
+                    sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
+                vk = tl.load(V + ck[:, None] * DV + rv[None, :])
+                mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
+    if SCORE:
+        tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
+        tl.store(LSE + row, mx + tl.log2(lsum))
 
 
 @triton.jit
@@ -823,14 +846,20 @@ class PathScan(torch.autograd.Function):
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
         states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype) # noqa: E731
-        qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
+        split = D in SPLIT_FWD                                   # the states are stored even without grad
+        qs, ql = (states(n_intra), states(n_inter)) if save or split else (o, o)
         has_g = G is not None
         wu = w16 is not None
         w16, u16 = (w16, u16) if wu else (mb, mb)                # not read without WU
         plc = pl.to(torch.float16) if wu else pl                 # the carries' PL: fp16 with WU
-        _fwd[(n, BH)](qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
-                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
-                      HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, WU=wu, **launch("fwd", D))
+        args = (qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1], n_intra,
+                n_inter, scale * LOG2E.value)
+        meta = dict(D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D), HAS_G=has_g, PREC=prec, PREC16=prec16, WU=wu)
+        if split:
+            _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
+            _fwd[(n, BH)](*args, SAVE=False, CARRY=False, **meta, **launch("scores", D))
+        else:
+            _fwd[(n, BH)](*args, SAVE=save, **meta, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)
         ctx.wu, ctx.cw = wu, chunk_kernels_apply(D, v.dtype) and wu and D in CHUNK_WU_BWD
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype

@@ -225,6 +225,30 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
                gate, block=block, chunk=chunk)
 
 
+@pytest.mark.parametrize("T,D,block,chunk,dtype", [(97, 32, 16, 3, torch.float32), (40, 128, 16, 2, torch.float16),
+                                                   (97, 16, 16, 8, torch.float32)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_triton_forward_in_two_launches(T, D, block, chunk, dtype, gate, monkeypatch):
+    """kernels.path_attention.SPLIT_FWD: `_fwd` run twice, the states carried and stored first, then scored from
+    the store. The same products in the same order: the output and every gradient are those of the fused
+    launch, bit for bit in the interpreter, and the output without a backward as well (the split stores the
+    states then too; the fused launch does not); the fused launch itself matches the float64 reference."""
+    import kernels.path_attention as kp
+    device = "cuda" if GPU else "cpu"
+    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=T + D + 4)
+    do = torch.randn(1, 2, T, D, device=device)
+    got = {}
+    for split in (False, True):
+        monkeypatch.setattr(kp, "SPLIT_FWD", {D} if split else set())
+        got[split] = run(path_attention_triton, xs, do, block=block, chunk=chunk)
+        with torch.no_grad():
+            got[split].append(path_attention_triton(*xs, block=block, chunk=chunk))
+    check(got[False][:-1], reference(xs, do), names_for(xs), 2e-2 if dtype == torch.float16 else 1e-4)
+    for name, a, b in zip(["out"] + names_for(xs) + ["out without grad"], got[False], got[True]):
+        assert torch.equal(a, b) if not GPU else torch.allclose(a, b, atol=1e-6, rtol=0), name
+    assert torch.equal(got[True][-1], got[True][0])
+
+
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
 @pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):
@@ -374,6 +398,17 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
     compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
     import kernels.path_attention as kp
     check_with(monkeypatch, {"SPLIT_DM": kp.SPLIT_DM ^ {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+def test_triton_gpu_forward_in_two_launches(D, dtype, tol, monkeypatch):
+    """SPLIT_FWD flipped (the states carried and stored by one launch of `_fwd`, scored by a second), compiled,
+    T = 1100 with the default blocks (chunk level, gated): the output and every gradient against the reference."""
+    import kernels.path_attention as kp
+    check_with(monkeypatch, {"SPLIT_FWD": kp.SPLIT_FWD ^ {D}}, 1100, D, dtype, tol, D + 6, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

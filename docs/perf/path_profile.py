@@ -108,6 +108,8 @@ HEAD_DIM_SETS = {
                  "chunk (1, CHUNK_WU; needs CARRY_WU)"),
     "chunk_wu_bwd": ("CHUNK_WU_BWD", "the chunk backward's dS carried by M (0) or by W and U in fp16 (1, "
                      "CHUNK_WU_BWD; needs CARRY_WU)"),
+    "split_fwd": ("SPLIT_FWD", "the forward's states carried and scored in one launch of _fwd (0) or carried and "
+                  "stored by one, scored by a second (1, SPLIT_FWD)"),
 }
 
 

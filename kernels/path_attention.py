@@ -71,7 +71,7 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
                dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3),
-               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3))
+               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3, NB=1))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
@@ -105,10 +105,11 @@ SPLIT_DM: set[int] = {128}
 CHUNK_WU: set[int] = {128}
 CHUNK_WU_BWD: set[int] = set()
 
-# Head dims whose forward runs `_fwd` twice (SPLIT_FWD): first carrying the query states alone and storing them
-# (launch "states"), then scoring the stored states (launch "scores"), whose loops then hold no float32 state in
-# registers, against `_fwd` doing both at once (launch "fwd"). The states are then stored without a backward too.
-# The same products in the same order: the output is the fused kernel's. Not a default yet (untimed).
+# Head dims whose forward takes two launches (SPLIT_FWD): `_fwd` carries the query states alone and stores them
+# (launch "states"), then `_fwd_scores` scores the stored states, NB query blocks a program (launch "scores"), its
+# loops holding no float32 state in registers, against `_fwd` doing both at once (launch "fwd"). The states are
+# then stored without a backward too. With NB = 1, the same products in the same order: the fused launch's output.
+# Not a default: timed no faster with NB = 1 (docs/perf/path.md); NB = 2 not timed yet.
 SPLIT_FWD: set[int] = set()
 
 
@@ -187,16 +188,14 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
 def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
          KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
-         WU: tl.constexpr, CARRY: tl.constexpr = True, SCORE: tl.constexpr = True):
-    """One query block. CARRY and SCORE (the default) do both at once; for the head dims of SPLIT_FWD
-    two launches share the work: CARRY alone forms the states and stores them (QS, QL), SCORE alone
-    loads them, so its loops hold no float32 state."""
+         WU: tl.constexpr, SCORE: tl.constexpr = True):
+    """One query block: its states carried and scored. Without SCORE (SPLIT_FWD's first launch) the states
+    are carried and stored alone, for `_fwd_scores` to score."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
     row = bh * T + i * BL + rc                                       # (BL,) query rows
-    if CARRY:
-        q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
+    q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
     if SCORE:
         if HAS_G:
             gq = tl.load(G + row) * LOG2E
@@ -218,14 +217,11 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
         col = bh * T + m * BL + rc
         if SCORE:
             kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        if CARRY:
-            qk = q.to(KH.dtype.element_ty)
-            if SAVE:
-                tl.store(QS + (first + t) * BL * D + tile, qk)
-            # the next state, while this one scores
-            q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
-        else:
-            qk = tl.load(QS + (first + t) * BL * D + tile)
+        qk = q.to(KH.dtype.element_ty)
+        if SAVE:
+            tl.store(QS + (first + t) * BL * D + tile, qk)
+        # the next state, while this one scores
+        q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
         if SCORE:
             s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
             if HAS_G:
@@ -236,15 +232,12 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
     first = bh * n_inter + _inter(i, R)
     for t in range(0, a):
         b = a - 1 - t
-        if CARRY:
-            qk = q.to(KL.dtype.element_ty)
-            if SAVE:
-                tl.store(QL + (first + b) * BL * D + tile, qk)
-            if b > 0:                                      # the next state, while this one scores
-                pl = _square(PL, bh * n_chunks + b, rd, D)            # fp16 with WU
-                q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
-        else:
-            qk = tl.load(QL + (first + b) * BL * D + tile)
+        qk = q.to(KL.dtype.element_ty)
+        if SAVE:
+            tl.store(QL + (first + b) * BL * D + tile, qk)
+        if b > 0:                                          # the next state, while this one scores
+            pl = _square(PL, bh * n_chunks + b, rd, D)                # fp16 with WU
+            q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
         if SCORE:
             for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
                 ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
@@ -257,6 +250,71 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
     if SCORE:
         tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
         tl.store(LSE + row, mx + tl.log2(lsum))
+
+
+@triton.jit
+def _fwd_scores(QS, QL, KH, KL, V, SD, G, O, LSE, T, n, n_intra, n_inter, qk_scale, D: tl.constexpr,
+                DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr,
+                KS: tl.constexpr, HAS_G: tl.constexpr, PREC16: tl.constexpr):
+    """SPLIT_FWD's second launch: NB query blocks of one chunk a program (NB x BL rows, NB divides R), scored
+    with the states `_fwd` stored, in `_fwd`'s order but for the program's own blocks, which come first, left
+    to right: each row's diagonal block from sd, an earlier block of the program with the row's state for it.
+    With NB = 1 the products and their order are `_fwd`'s."""
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
+    rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
+    i0 = pid * NB
+    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block in the program, row in it
+    okr = i0 + rb < n                                               # the last program may pass the last block
+    ok = okr[:, None]
+    row = bh * T + i0 * BL + rq                                     # (NB BL,) query rows
+    if HAS_G:
+        gq = tl.load(G + row, mask=okr, other=0.0) * LOG2E
+    intra = bh * n_intra + _intra(i0 + rb, R)                       # (NB BL,) each row's first stored state
+    inter = bh * n_inter + _inter(i0 + rb, R)
+    mx = tl.full([NB * BL], float("-inf"), tl.float32)
+    lsum = tl.zeros([NB * BL], tl.float32)
+    acc = tl.zeros([NB * BL, DV], tl.float32)
+    # 1. the program's own blocks c as keys; a row of block rb > c scores them with its state rb - c - 1
+    for c in tl.static_range(NB):
+        col = bh * T + (i0 + c) * BL + rc
+        has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
+        kh = tl.load(KH + col[:, None] * D + rd[None, :], mask=has[:, None], other=0.0)
+        st = tl.load(QS + ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :], mask=ok & (rb > c)[:, None],
+                     other=0.0)                                     # (NB BL, D)
+        s = tl.dot(st, tl.trans(kh), input_precision=PREC16) * qk_scale
+        sd = tl.load(SD + row[:, None] * BL + rc[None, :], mask=ok & (rb == c)[:, None], other=0.0)
+        s = tl.where((rb == c)[:, None], sd.to(tl.float32) * LOG2E, s)
+        if HAS_G:
+            s += gq[:, None] - tl.load(G + col, mask=has, other=0.0)[None, :] * LOG2E
+        s = tl.where((rb > c)[:, None] | ((rb == c)[:, None] & (rc[None, :] <= rr[:, None])), s, float("-inf"))
+        v = tl.load(V + col[:, None] * DV + rv[None, :], mask=has[:, None], other=0.0)
+        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+    # 2. the earlier blocks of this chunk, right to left: block m is state rb + t of a row of block rb
+    a = i0 // R
+    for t in range(0, i0 - a * R):
+        m = i0 - 1 - t
+        col = bh * T + m * BL + rc
+        kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        st = tl.load(QS + ((intra + rb + t) * BL + rr)[:, None] * D + rd[None, :], mask=ok, other=0.0)
+        s = tl.dot(st, tl.trans(kh), input_precision=PREC16) * qk_scale
+        if HAS_G:
+            s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
+        v = tl.load(V + col[:, None] * DV + rv[None, :])
+        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+    # 3. the earlier chunks, right to left, one state each
+    for t in range(0, a):
+        b = a - 1 - t
+        st = tl.load(QL + ((inter + b) * BL + rr)[:, None] * D + rd[None, :], mask=ok, other=0.0)
+        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
+            ck = bh * T + b * R * BL + j + rk
+            kl = tl.load(KL + ck[:, None] * D + rd[None, :])
+            sk = tl.dot(st, tl.trans(kl), input_precision=PREC16) * qk_scale
+            if HAS_G:
+                sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
+            vk = tl.load(V + ck[:, None] * DV + rv[None, :])
+            mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
+    tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty), mask=ok)
+    tl.store(LSE + row, mx + tl.log2(lsum), mask=okr)
 
 
 @triton.jit
@@ -857,7 +915,12 @@ class PathScan(torch.autograd.Function):
         meta = dict(D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D), HAS_G=has_g, PREC=prec, PREC16=prec16, WU=wu)
         if split:
             _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
-            _fwd[(n, BH)](*args, SAVE=False, CARRY=False, **meta, **launch("scores", D))
+            sc = launch("scores", D)
+            nb = sc.pop("NB")
+            nb = nb if R % nb == 0 else 1                        # a program's blocks share one chunk
+            _fwd_scores[(triton.cdiv(n, nb), BH)](qs, ql, kh, kl, v, sd, G if has_g else lse, o, lse, T, n, n_intra,
+                                                  n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, NB=nb,
+                                                  KB=key_tile(BL, R, D), HAS_G=has_g, PREC16=prec16, **sc)
         else:
             _fwd[(n, BH)](*args, SAVE=save, **meta, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)

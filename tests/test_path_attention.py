@@ -225,16 +225,20 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
                gate, block=block, chunk=chunk)
 
 
-@pytest.mark.parametrize("T,D,block,chunk,dtype", [(97, 32, 16, 3, torch.float32), (40, 128, 16, 2, torch.float16),
-                                                   (97, 16, 16, 8, torch.float32)])
+@pytest.mark.parametrize("T,D,block,chunk,dtype", [(97, 32, 16, 3, torch.float32), (97, 32, 16, 4, torch.float32),
+                                                   (40, 128, 16, 2, torch.float16), (97, 16, 16, 8, torch.float32)])
 @pytest.mark.parametrize("gate", [False, True])
-def test_triton_forward_in_two_launches(T, D, block, chunk, dtype, gate, monkeypatch):
-    """kernels.path_attention.SPLIT_FWD: `_fwd` run twice, the states carried and stored first, then scored from
-    the store. The same products in the same order: the output and every gradient are those of the fused
-    launch, bit for bit in the interpreter, and the output without a backward as well (the split stores the
-    states then too; the fused launch does not); the fused launch itself matches the float64 reference."""
+@pytest.mark.parametrize("nb", [1, 2])
+def test_triton_forward_in_two_launches(T, D, block, chunk, dtype, gate, nb, monkeypatch):
+    """kernels.path_attention.SPLIT_FWD: `_fwd` carries and stores the states, `_fwd_scores` scores them, nb
+    query blocks a program (an odd number of blocks here: the last program has one; chunks of 3 take one block
+    a program). With one block a program the products and their order are the fused launch's: the output and
+    every gradient are its own bit for bit in the interpreter, and the output without a backward as well (the
+    split stores the states then too, the fused launch does not). With two, the softmax meets the program's
+    blocks in another order: the fused launch's values to rounding. The fused launch matches the reference."""
     import kernels.path_attention as kp
     device = "cuda" if GPU else "cpu"
+    monkeypatch.setitem(kp.DEFAULT, "scores", kp.DEFAULT["scores"] | {"NB": nb})
     xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=T + D + 4)
     do = torch.randn(1, 2, T, D, device=device)
     got = {}
@@ -243,9 +247,14 @@ def test_triton_forward_in_two_launches(T, D, block, chunk, dtype, gate, monkeyp
         got[split] = run(path_attention_triton, xs, do, block=block, chunk=chunk)
         with torch.no_grad():
             got[split].append(path_attention_triton(*xs, block=block, chunk=chunk))
-    check(got[False][:-1], reference(xs, do), names_for(xs), 2e-2 if dtype == torch.float16 else 1e-4)
-    for name, a, b in zip(["out"] + names_for(xs) + ["out without grad"], got[False], got[True]):
-        assert torch.equal(a, b) if not GPU else torch.allclose(a, b, atol=1e-6, rtol=0), name
+    tol = 2e-2 if dtype == torch.float16 else 1e-4
+    check(got[False][:-1], reference(xs, do), names_for(xs), tol)
+    names = ["out"] + names_for(xs) + ["out without grad"]
+    if not GPU and (nb == 1 or chunk % nb):                    # compiled, the two kernels may round apart
+        for name, a, b in zip(names, got[False], got[True]):
+            assert torch.equal(a, b), name
+    else:
+        check(got[True], got[False], names[1:], tol / 10 if dtype == torch.float16 else 1e-5)
     assert torch.equal(got[True][-1], got[True][0])
 
 
@@ -402,13 +411,17 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
-def test_triton_gpu_forward_in_two_launches(D, dtype, tol, monkeypatch):
-    """SPLIT_FWD flipped (the states carried and stored by one launch of `_fwd`, scored by a second), compiled,
-    T = 1100 with the default blocks (chunk level, gated): the output and every gradient against the reference."""
+@pytest.mark.parametrize("nb,dtype,tol,D", [(1, torch.float32, 1e-4, 64), (1, torch.float32, 1e-4, 128),
+                                           (1, torch.bfloat16, 6e-2, 64), (1, torch.bfloat16, 6e-2, 128),
+                                           (2, torch.bfloat16, 6e-2, 64), (2, torch.bfloat16, 6e-2, 128)])
+def test_triton_gpu_forward_in_two_launches(nb, dtype, tol, D, monkeypatch):
+    """SPLIT_FWD flipped (the states carried and stored by `_fwd`, scored by `_fwd_scores`, one query block a
+    program or two at 8 warps), compiled, T = 1050 with the default blocks (chunk level, 17 blocks: with two a
+    program the last has one; gated): the output and every gradient against the reference."""
     import kernels.path_attention as kp
-    check_with(monkeypatch, {"SPLIT_FWD": kp.SPLIT_FWD ^ {D}}, 1100, D, dtype, tol, D + 6, device="cuda")
+    scores = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else dict(num_warps=8, num_stages=1, KS=3, NB=2)
+    monkeypatch.setitem(kp.DEFAULT, "scores", scores)
+    check_with(monkeypatch, {"SPLIT_FWD": kp.SPLIT_FWD ^ {D}}, 1050, D, dtype, tol, D + 6, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

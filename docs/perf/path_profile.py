@@ -7,9 +7,10 @@ settings are fastest at a given head dim.
     python docs/perf/path_profile.py --D 128 --H 16 --carry-wu 0,1             # states carried by W and U
     python docs/perf/path_profile.py --D 128 --H 16 --split-dm 0,1             # dM and dPL in _bwd_dm
     python docs/perf/path_profile.py --D 128 --carry-wu 1 --launch "" --launch "fwd.num_stages=2 dq.IS=2"
+    python docs/perf/path_profile.py --D 128 --split-fwd 1 --launch "" --launch "scores.NB=2 scores.num_warps=8"
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
-the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not, SPLIT_DM or not) it
+the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU, SPLIT_DM, SPLIT_FWD or not) it
 prints the median fwd+bwd time
 (triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
 registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position

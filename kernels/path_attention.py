@@ -30,7 +30,8 @@ FlashAttention:
      (float32, in registers), and carry it through P_m:  Q~ <- Q~ - Q~ M_m;
   3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, and Q~ <- Q~ PL_b.
 In both loops the next state is formed before the current one scores, so that the two overlap. For the
-head dims of SPLIT_FWD, a first launch forms and stores the states alone, a second scores them.
+head dims of SPLIT_FWD, a first launch forms and stores the states alone, a second scores them; for those of
+WIDE_FWD one launch does both for two query blocks a program (`_fwd_blocks`).
 
 Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
 before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
@@ -71,7 +72,8 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
                dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3),
-               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3, NB=1))
+               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3, NB=1),
+               wide=dict(num_warps=8, num_stages=1, KS=3, NB=2))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
@@ -105,12 +107,13 @@ SPLIT_DM: set[int] = {128}
 CHUNK_WU: set[int] = {128}
 CHUNK_WU_BWD: set[int] = set()
 
-# Head dims whose forward takes two launches (SPLIT_FWD): `_fwd` carries the query states alone and stores them
-# (launch "states"), then `_fwd_scores` scores the stored states, NB query blocks a program (launch "scores"), its
-# loops holding no float32 state in registers, against `_fwd` doing both at once (launch "fwd"). The states are
-# then stored without a backward too. With NB = 1, the same products in the same order: the fused launch's output.
-# Not a default: timed no faster with NB = 1 (docs/perf/path.md); NB = 2 not timed yet.
+# Head dims whose forward takes NB query blocks a program in `_fwd_blocks` (NB x BL rows; `_fwd` takes one):
+# WIDE_FWD carries the states there, all the program's rows as one tile (launch "wide"); SPLIT_FWD first carries
+# and stores them in `_fwd` (launch "states") and then scores the stored states there (launch "scores"), its loops
+# holding no float32 state, the states stored without a backward too. With NB = 1 either gives `_fwd`'s output.
+# Neither is a default: SPLIT_FWD with NB = 1 was timed no faster (docs/perf/path.md); NB = 2 not timed yet.
 SPLIT_FWD: set[int] = set()
+WIDE_FWD: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -174,11 +177,13 @@ def _carry(x, MB, W, U, blk, col, rd, D: tl.constexpr, PREC: tl.constexpr, WU: t
 
 
 @triton.jit
-def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
-    """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV)."""
+def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr, EMPTY: tl.constexpr = False):
+    """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV). EMPTY: rows may have
+    met no key yet (mx and all of s -inf): they stay empty instead of turning NaN."""
     mnew = tl.maximum(mx, tl.max(s, 1))
-    alpha = tl.exp2(mx - mnew)
-    p = tl.exp2(s - mnew[:, None])
+    ref = tl.where(mnew == float("-inf"), 0.0, mnew) if EMPTY else mnew
+    alpha = tl.exp2(mx - ref)
+    p = tl.exp2(s - ref[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC16)
     return mnew, lsum, acc
@@ -190,7 +195,7 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
          KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
          WU: tl.constexpr, SCORE: tl.constexpr = True):
     """One query block: its states carried and scored. Without SCORE (SPLIT_FWD's first launch) the states
-    are carried and stored alone, for `_fwd_scores` to score."""
+    are carried and stored alone, for `_fwd_blocks` to score."""
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
@@ -253,13 +258,16 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
 
 
 @triton.jit
-def _fwd_scores(QS, QL, KH, KL, V, SD, G, O, LSE, T, n, n_intra, n_inter, qk_scale, D: tl.constexpr,
-                DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr,
-                KS: tl.constexpr, HAS_G: tl.constexpr, PREC16: tl.constexpr):
-    """SPLIT_FWD's second launch: NB query blocks of one chunk a program (NB x BL rows, NB divides R), scored
-    with the states `_fwd` stored, in `_fwd`'s order but for the program's own blocks, which come first, left
-    to right: each row's diagonal block from sd, an earlier block of the program with the row's state for it.
-    With NB = 1 the products and their order are `_fwd`'s."""
+def _fwd_blocks(QH, QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, T, n, n_chunks, n_intra, n_inter, qk_scale,
+                D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
+                KB: tl.constexpr, KS: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
+                WU: tl.constexpr, CARRY: tl.constexpr, SAVE: tl.constexpr):
+    """`_fwd` for NB query blocks of one chunk a program (NB x BL rows, NB divides R). The program's own blocks come
+    first, right to left: a row scores its own block from sd, and a block c left of its own with its state for c.
+    After them every row's state has passed the program's blocks left of its own, and from there all rows go
+    through the same block and chunk products, as one tile. With CARRY (WIDE_FWD) it carries the states itself
+    (storing them with SAVE); without (SPLIT_FWD's second launch) it loads those `_fwd` stored. With NB = 1 its
+    products and their order are `_fwd`'s."""
     pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
     rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     i0 = pid * NB
@@ -271,32 +279,50 @@ def _fwd_scores(QS, QL, KH, KL, V, SD, G, O, LSE, T, n, n_intra, n_inter, qk_sca
         gq = tl.load(G + row, mask=okr, other=0.0) * LOG2E
     intra = bh * n_intra + _intra(i0 + rb, R)                       # (NB BL,) each row's first stored state
     inter = bh * n_inter + _inter(i0 + rb, R)
+    if CARRY:
+        q = tl.load(QH + row[:, None] * D + rd[None, :], mask=ok, other=0.0).to(tl.float32)  # the query states
     mx = tl.full([NB * BL], float("-inf"), tl.float32)
     lsum = tl.zeros([NB * BL], tl.float32)
     acc = tl.zeros([NB * BL, DV], tl.float32)
-    # 1. the program's own blocks c as keys; a row of block rb > c scores them with its state rb - c - 1
-    for c in tl.static_range(NB):
+    # 1. the program's own blocks c as keys, right to left; rows of block rb > c score c with their state rb - c - 1
+    for cc in tl.static_range(NB):
+        c = NB - 1 - cc
         col = bh * T + (i0 + c) * BL + rc
         has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
-        kh = tl.load(KH + col[:, None] * D + rd[None, :], mask=has[:, None], other=0.0)
-        st = tl.load(QS + ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :], mask=ok & (rb > c)[:, None],
-                     other=0.0)                                     # (NB BL, D)
-        s = tl.dot(st, tl.trans(kh), input_precision=PREC16) * qk_scale
-        sd = tl.load(SD + row[:, None] * BL + rc[None, :], mask=ok & (rb == c)[:, None], other=0.0)
-        s = tl.where((rb == c)[:, None], sd.to(tl.float32) * LOG2E, s)
+        s = tl.load(SD + row[:, None] * BL + rc[None, :], mask=ok & (rb == c)[:, None], other=0.0)
+        s = s.to(tl.float32) * LOG2E
+        if c < NB - 1:                                              # rows of the blocks right of c
+            later = (rb > c)[:, None]
+            kh = tl.load(KH + col[:, None] * D + rd[None, :], mask=has[:, None], other=0.0)
+            at = ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :]
+            if CARRY:
+                qk = q.to(KH.dtype.element_ty)
+                if SAVE:
+                    tl.store(QS + at, qk, mask=ok & later)
+                q = tl.where(later, _carry(q, MB, W, U, bh * (T // BL) + i0 + c, col, rd, D, PREC, WU), q)
+            else:
+                qk = tl.load(QS + at, mask=ok & later, other=0.0)
+            s = tl.where(later, tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale, s)
         if HAS_G:
             s += gq[:, None] - tl.load(G + col, mask=has, other=0.0)[None, :] * LOG2E
         s = tl.where((rb > c)[:, None] | ((rb == c)[:, None] & (rc[None, :] <= rr[:, None])), s, float("-inf"))
         v = tl.load(V + col[:, None] * DV + rv[None, :], mask=has[:, None], other=0.0)
-        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16, EMPTY=NB > 1)
     # 2. the earlier blocks of this chunk, right to left: block m is state rb + t of a row of block rb
     a = i0 // R
     for t in range(0, i0 - a * R):
         m = i0 - 1 - t
         col = bh * T + m * BL + rc
         kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        st = tl.load(QS + ((intra + rb + t) * BL + rr)[:, None] * D + rd[None, :], mask=ok, other=0.0)
-        s = tl.dot(st, tl.trans(kh), input_precision=PREC16) * qk_scale
+        at = ((intra + rb + t) * BL + rr)[:, None] * D + rd[None, :]
+        if CARRY:
+            qk = q.to(KH.dtype.element_ty)
+            if SAVE:
+                tl.store(QS + at, qk, mask=ok)
+            q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)     # the next state, while this scores
+        else:
+            qk = tl.load(QS + at, mask=ok, other=0.0)
+        s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
         if HAS_G:
             s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
         v = tl.load(V + col[:, None] * DV + rv[None, :])
@@ -304,11 +330,20 @@ def _fwd_scores(QS, QL, KH, KL, V, SD, G, O, LSE, T, n, n_intra, n_inter, qk_sca
     # 3. the earlier chunks, right to left, one state each
     for t in range(0, a):
         b = a - 1 - t
-        st = tl.load(QL + ((inter + b) * BL + rr)[:, None] * D + rd[None, :], mask=ok, other=0.0)
+        at = ((inter + b) * BL + rr)[:, None] * D + rd[None, :]
+        if CARRY:
+            qk = q.to(KL.dtype.element_ty)
+            if SAVE:
+                tl.store(QL + at, qk, mask=ok)
+            if b > 0:                                      # the next state, while this one scores
+                pl = _square(PL, bh * n_chunks + b, rd, D)            # fp16 with WU
+                q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
+        else:
+            qk = tl.load(QL + at, mask=ok, other=0.0)
         for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
             ck = bh * T + b * R * BL + j + rk
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
-            sk = tl.dot(st, tl.trans(kl), input_precision=PREC16) * qk_scale
+            sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
             if HAS_G:
                 sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
             vk = tl.load(V + ck[:, None] * DV + rv[None, :])
@@ -913,14 +948,16 @@ class PathScan(torch.autograd.Function):
         args = (qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1], n_intra,
                 n_inter, scale * LOG2E.value)
         meta = dict(D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D), HAS_G=has_g, PREC=prec, PREC16=prec16, WU=wu)
-        if split:
-            _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
-            sc = launch("scores", D)
-            nb = sc.pop("NB")
+        wide = D in WIDE_FWD and not split
+        if split or wide:                                        # `_fwd_blocks`: NB blocks a program
+            if split:
+                _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
+            go = launch("scores" if split else "wide", D)
+            nb = go.pop("NB")
             nb = nb if R % nb == 0 else 1                        # a program's blocks share one chunk
-            _fwd_scores[(triton.cdiv(n, nb), BH)](qs, ql, kh, kl, v, sd, G if has_g else lse, o, lse, T, n, n_intra,
-                                                  n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, NB=nb,
-                                                  KB=key_tile(BL, R, D), HAS_G=has_g, PREC16=prec16, **sc)
+            _fwd_blocks[(triton.cdiv(n, nb), BH)](qh, qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
+                                                  lse, T, n, pl.shape[1], n_intra, n_inter, scale * LOG2E.value,
+                                                  NB=nb, CARRY=wide, SAVE=save and wide, **meta, **go)
         else:
             _fwd[(n, BH)](*args, SAVE=save, **meta, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)

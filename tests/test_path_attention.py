@@ -229,21 +229,23 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
                                                    (40, 128, 16, 2, torch.float16), (97, 16, 16, 8, torch.float32)])
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("nb", [1, 2])
-def test_triton_forward_in_two_launches(T, D, block, chunk, dtype, gate, nb, monkeypatch):
-    """kernels.path_attention.SPLIT_FWD: `_fwd` carries and stores the states, `_fwd_scores` scores them, nb
-    query blocks a program (an odd number of blocks here: the last program has one; chunks of 3 take one block
-    a program). With one block a program the products and their order are the fused launch's: the output and
-    every gradient are its own bit for bit in the interpreter, and the output without a backward as well (the
-    split stores the states then too, the fused launch does not). With two, the softmax meets the program's
-    blocks in another order: the fused launch's values to rounding. The fused launch matches the reference."""
+@pytest.mark.parametrize("mode", ["SPLIT_FWD", "WIDE_FWD"])
+def test_triton_forward_by_blocks_of_queries(T, D, block, chunk, dtype, gate, nb, mode, monkeypatch):
+    """kernels.path_attention's `_fwd_blocks`, nb query blocks a program (an odd number of blocks here: the last
+    program has one; chunks of 3 take one block a program): SPLIT_FWD (`_fwd` carries and stores the states,
+    `_fwd_blocks` scores them) and WIDE_FWD (`_fwd_blocks` carries them too). With one block a program the
+    products and their order are `_fwd`'s: the output and every gradient are its own bit for bit in the
+    interpreter, and the output without a backward as well. With two, the softmax meets the program's blocks in
+    another order: `_fwd`'s values to rounding. `_fwd` matches the reference."""
     import kernels.path_attention as kp
     device = "cuda" if GPU else "cpu"
-    monkeypatch.setitem(kp.DEFAULT, "scores", kp.DEFAULT["scores"] | {"NB": nb})
+    launch = "scores" if mode == "SPLIT_FWD" else "wide"
+    monkeypatch.setitem(kp.DEFAULT, launch, kp.DEFAULT[launch] | {"NB": nb})
     xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=T + D + 4)
     do = torch.randn(1, 2, T, D, device=device)
     got = {}
     for split in (False, True):
-        monkeypatch.setattr(kp, "SPLIT_FWD", {D} if split else set())
+        monkeypatch.setattr(kp, mode, {D} if split else set())
         got[split] = run(path_attention_triton, xs, do, block=block, chunk=chunk)
         with torch.no_grad():
             got[split].append(path_attention_triton(*xs, block=block, chunk=chunk))
@@ -411,17 +413,19 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("nb,dtype,tol,D", [(1, torch.float32, 1e-4, 64), (1, torch.float32, 1e-4, 128),
-                                           (1, torch.bfloat16, 6e-2, 64), (1, torch.bfloat16, 6e-2, 128),
-                                           (2, torch.bfloat16, 6e-2, 64), (2, torch.bfloat16, 6e-2, 128)])
-def test_triton_gpu_forward_in_two_launches(nb, dtype, tol, D, monkeypatch):
-    """SPLIT_FWD flipped (the states carried and stored by `_fwd`, scored by `_fwd_scores`, one query block a
-    program or two at 8 warps), compiled, T = 1050 with the default blocks (chunk level, 17 blocks: with two a
-    program the last has one; gated): the output and every gradient against the reference."""
+@pytest.mark.parametrize("mode,nb,dtype,tol,D", [("SPLIT_FWD", 1, torch.float32, 1e-4, 128),
+                                                ("SPLIT_FWD", 2, torch.bfloat16, 6e-2, 128),
+                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 64),
+                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 128)])
+def test_triton_gpu_forward_by_blocks_of_queries(mode, nb, dtype, tol, D, monkeypatch):
+    """`_fwd_blocks` compiled, the ways no default takes (SPLIT_FWD: after `_fwd` stored the states, one query
+    block a program at 4 warps or two at 8; WIDE_FWD: two blocks a program carried at 8 warps), T = 1050 with the
+    default blocks (chunk level, 17 blocks: with two a program the last has one; gated): the output and every
+    gradient against the reference."""
     import kernels.path_attention as kp
-    scores = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else dict(num_warps=8, num_stages=1, KS=3, NB=2)
-    monkeypatch.setitem(kp.DEFAULT, "scores", scores)
-    check_with(monkeypatch, {"SPLIT_FWD": kp.SPLIT_FWD ^ {D}}, 1050, D, dtype, tol, D + 6, device="cuda")
+    go = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else dict(num_warps=8, num_stages=1, KS=3, NB=2)
+    monkeypatch.setitem(kp.DEFAULT, "scores" if mode == "SPLIT_FWD" else "wide", go)
+    check_with(monkeypatch, {mode: getattr(kp, mode) ^ {D}}, 1050, D, dtype, tol, D + 6, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

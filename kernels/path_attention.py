@@ -73,7 +73,8 @@ DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, n
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
                dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3),
                states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3, NB=1),
-               wide=dict(num_warps=8, num_stages=1, KS=3, NB=2))
+               wide=dict(num_warps=8, num_stages=1, KS=3, NB=2),
+               wide_dq=dict(num_warps=8, num_stages=1, KS=3, IS=1, NB=2))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
@@ -114,6 +115,9 @@ CHUNK_WU_BWD: set[int] = set()
 # Neither is a default: SPLIT_FWD with NB = 1 was timed no faster (docs/perf/path.md); NB = 2 not timed yet.
 SPLIT_FWD: set[int] = set()
 WIDE_FWD: set[int] = set()
+# Head dims whose `_bwd_dq` takes NB query blocks a program too (`_bwd_dq_blocks`, launch "wide_dq"), X of all
+# the program's rows as one tile; with NB = 1 `_bwd_dq`'s output. Not a default (not timed yet).
+WIDE_DQ: set[int] = set()
 
 
 def launch(name: str, D: int) -> dict:
@@ -271,7 +275,7 @@ def _fwd_blocks(QH, QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, T, n, n_chun
     pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
     rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     i0 = pid * NB
-    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block in the program, row in it
+    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block, row in it
     okr = i0 + rb < n                                               # the last program may pass the last block
     ok = okr[:, None]
     row = bh * T + i0 * BL + rq                                     # (NB BL,) query rows
@@ -423,6 +427,93 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
     tl.store(DQH + row[:, None] * D + rd[None, :], (x * irs).to(DQH.dtype.element_ty))
     if HAS_G:
         tl.store(DGQ + row, dg)
+
+
+@triton.jit
+def _bwd_dq_blocks(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n, n_chunks,
+                   n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
+                   R: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, IS: tl.constexpr,
+                   HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr, WU: tl.constexpr):
+    """`_bwd_dq` for NB query blocks of one chunk a program (WIDE_DQ; NB x BL rows, NB divides R), X of all rows
+    as one tile: left to right through the earlier chunks and the chunk's blocks left of the program, which every
+    row's state passed, then through the program's own blocks, a row's X stopping at its own. The diagonal blocks
+    come first, as in `_bwd_dq`; with NB = 1 its products and their order are `_bwd_dq`'s."""
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
+    rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
+    i0 = pid * NB
+    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block, row in it
+    okr = i0 + rb < n                                               # the last program may pass the last block
+    ok = okr[:, None]
+    row = bh * T + i0 * BL + rq
+    do = tl.load(DO + row[:, None] * DV + rv[None, :], mask=ok, other=0.0)
+    lse = tl.load(LSE + row, mask=okr, other=0.0)
+    o = tl.load(O + row[:, None] * DV + rv[None, :], mask=ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + row, delta, mask=okr)                          # rowsum(dO * O), for _bwd_dkv
+    gq = tl.load(G + row, mask=okr, other=0.0) * LOG2E if HAS_G else tl.zeros([NB * BL], tl.float32)
+    intra = bh * n_intra + _intra(i0 + rb, R)                       # (NB BL,) each row's first stored state
+    inter = bh * n_inter + _inter(i0 + rb, R)
+    # diagonal blocks: a row's own block from sd
+    dg = tl.zeros([NB * BL], tl.float32)
+    for c in tl.static_range(NB):
+        col = bh * T + (i0 + c) * BL + rc
+        has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
+        own = ok & (rb == c)[:, None]
+        s = tl.load(SD + row[:, None] * BL + rc[None, :], mask=own, other=0.0).to(tl.float32) * LOG2E
+        if HAS_G:
+            s += gq[:, None] - tl.load(G + col, mask=has, other=0.0)[None, :] * LOG2E
+        s = tl.where(own & (rc[None, :] <= rr[:, None]), s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        v = tl.load(V + col[:, None] * DV + rv[None, :], mask=has[:, None], other=0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])   # dL/d(logit)
+        tl.store(DSD + row[:, None] * BL + rc[None, :], ds.to(DSD.dtype.element_ty), mask=own)
+        dg += tl.sum(ds, 1)
+    # X, kept as X rs: with WU, rs (NB BL, 1) brings its rows into fp16's range for the carries' products
+    x = tl.zeros([NB * BL, D], dtype=tl.float32)
+    rs = _row_scale(do) if WU else 1.0
+    irs, up = 1.0 / rs, scale * rs                                   # exact: powers of two
+    # the earlier chunks, left to right: X is stored before PL_b, then carried through it
+    a = i0 // R
+    for b in range(0, a):
+        at = ((inter + b) * BL + rr)[:, None] * D + rd[None, :]
+        tl.store(XL + at, (x * irs).to(XL.dtype.element_ty), mask=ok)
+        qs = tl.load(QL + at, mask=ok, other=0.0)
+        pl = _square(PL, bh * n_chunks + b, rd, D)                    # fp16 with WU
+        x = tl.dot(x.to(pl.dtype), tl.trans(pl)) if WU else tl.dot(x, tl.trans(pl), input_precision=PREC)
+        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
+            ck = bh * T + b * R * BL + j + rk
+            kl = tl.load(KL + ck[:, None] * D + rd[None, :])
+            dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
+            dg += tl.sum(dsk, 1)
+            x += up * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
+    # the earlier blocks of this chunk left of the program, left to right: block m is state i0 + rb - 1 - m
+    for m in tl.range(a * R, i0, num_stages=IS):
+        col = bh * T + m * BL + rc
+        at = ((intra + i0 + rb - 1 - m) * BL + rr)[:, None] * D + rd[None, :]
+        tl.store(XS + at, (x * irs).to(XS.dtype.element_ty), mask=ok)
+        qs = tl.load(QS + at, mask=ok, other=0.0)
+        kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
+        dg += tl.sum(ds, 1)
+        x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU, True)
+        x += up * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
+    # the program's own blocks c, left to right: rows of block rb > c go through c (state rb - c - 1)
+    for c in tl.static_range(NB - 1):
+        blk = tl.minimum(i0 + c, n - 1)                             # past the last block only for rows not stored
+        col = bh * T + blk * BL + rc
+        later = ok & (rb > c)[:, None]
+        at = ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :]
+        tl.store(XS + at, (x * irs).to(XS.dtype.element_ty), mask=later)
+        qs = tl.load(QS + at, mask=later, other=0.0)
+        kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
+        ds = tl.where(later, ds, 0.0)
+        dg += tl.sum(ds, 1)
+        x = tl.where(later, _carry(x, MB, W, U, bh * (T // BL) + blk, col, rd, D, PREC, WU, True), x)
+        x += up * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
+    tl.store(DQH + row[:, None] * D + rd[None, :], (x * irs).to(DQH.dtype.element_ty), mask=ok)
+    if HAS_G:
+        tl.store(DGQ + row, dg, mask=okr)
 
 
 @triton.jit
@@ -986,9 +1077,18 @@ class PathScan(torch.autograd.Function):
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, do, lse, delta, xs, xl,
-                         dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
-                         KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
+        if D in WIDE_DQ:                                        # NB query blocks a program
+            go = launch("wide_dq", D)
+            nb = go.pop("NB")
+            nb = nb if R % nb == 0 else 1                       # a program's blocks share one chunk
+            _bwd_dq_blocks[(triton.cdiv(n, nb), BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
+                                                     do, lse, delta, xs, xl, dqh, dsd, dgq, T, n, n_chunks, n_intra,
+                                                     n_inter, scale * LOG2E.value, scale, NB=nb, KB=key_tile(BL, R, D),
+                                                     WU=ctx.wu, **meta, **go)
+        else:
+            _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, do, lse, delta, xs,
+                             xl, dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
+                             KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         split = D in SPLIT_DKL
         if split:                                               # the later chunks' pairs first

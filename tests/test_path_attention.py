@@ -225,21 +225,22 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
                gate, block=block, chunk=chunk)
 
 
-@pytest.mark.parametrize("T,D,block,chunk,dtype", [(97, 32, 16, 3, torch.float32), (97, 32, 16, 4, torch.float32),
-                                                   (40, 128, 16, 2, torch.float16), (97, 16, 16, 8, torch.float32)])
-@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("T,D,block,chunk,dtype,gate", [(97, 32, 16, 3, torch.float32, True),
+                                                        (97, 32, 16, 4, torch.float32, True),
+                                                        (40, 128, 16, 2, torch.float16, True),
+                                                        (97, 16, 16, 8, torch.float32, False)])
 @pytest.mark.parametrize("nb", [1, 2])
-@pytest.mark.parametrize("mode", ["SPLIT_FWD", "WIDE_FWD"])
+@pytest.mark.parametrize("mode", ["SPLIT_FWD", "WIDE_FWD", "WIDE_DQ"])
 def test_triton_forward_by_blocks_of_queries(T, D, block, chunk, dtype, gate, nb, mode, monkeypatch):
-    """kernels.path_attention's `_fwd_blocks`, nb query blocks a program (an odd number of blocks here: the last
+    """kernels.path_attention's kernels for nb query blocks a program (an odd number of blocks here: the last
     program has one; chunks of 3 take one block a program): SPLIT_FWD (`_fwd` carries and stores the states,
-    `_fwd_blocks` scores them) and WIDE_FWD (`_fwd_blocks` carries them too). With one block a program the
-    products and their order are `_fwd`'s: the output and every gradient are its own bit for bit in the
-    interpreter, and the output without a backward as well. With two, the softmax meets the program's blocks in
-    another order: `_fwd`'s values to rounding. `_fwd` matches the reference."""
+    `_fwd_blocks` scores them), WIDE_FWD (`_fwd_blocks` carries them too) and WIDE_DQ (`_bwd_dq_blocks`). With one
+    block a program the products and their order are `_fwd`'s and `_bwd_dq`'s: the output and every gradient are
+    theirs bit for bit in the interpreter, and the output without a backward as well. With two, sums meet the
+    program's blocks in another order: the same values to rounding. The default kernels match the reference."""
     import kernels.path_attention as kp
     device = "cuda" if GPU else "cpu"
-    launch = "scores" if mode == "SPLIT_FWD" else "wide"
+    launch = {"SPLIT_FWD": "scores", "WIDE_FWD": "wide", "WIDE_DQ": "wide_dq"}[mode]
     monkeypatch.setitem(kp.DEFAULT, launch, kp.DEFAULT[launch] | {"NB": nb})
     xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=T + D + 4)
     do = torch.randn(1, 2, T, D, device=device)
@@ -416,15 +417,18 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
 @pytest.mark.parametrize("mode,nb,dtype,tol,D", [("SPLIT_FWD", 1, torch.float32, 1e-4, 128),
                                                 ("SPLIT_FWD", 2, torch.bfloat16, 6e-2, 128),
                                                 ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 64),
-                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 128)])
+                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 128),
+                                                ("WIDE_DQ", 2, torch.bfloat16, 6e-2, 128)])
 def test_triton_gpu_forward_by_blocks_of_queries(mode, nb, dtype, tol, D, monkeypatch):
-    """`_fwd_blocks` compiled, the ways no default takes (SPLIT_FWD: after `_fwd` stored the states, one query
-    block a program at 4 warps or two at 8; WIDE_FWD: two blocks a program carried at 8 warps), T = 1050 with the
-    default blocks (chunk level, 17 blocks: with two a program the last has one; gated): the output and every
-    gradient against the reference."""
+    """The kernels for several query blocks a program compiled, the ways no default takes (SPLIT_FWD: after `_fwd`
+    stored the states, `_fwd_blocks` scores one query block a program at 4 warps or two at 8; WIDE_FWD: two blocks
+    a program carried at 8 warps; WIDE_DQ: `_bwd_dq_blocks`, two at 8 warps), T = 1050 with the default blocks
+    (chunk level, 17 blocks: with two a program the last has one; gated): the output and every gradient against
+    the reference."""
     import kernels.path_attention as kp
-    go = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else dict(num_warps=8, num_stages=1, KS=3, NB=2)
-    monkeypatch.setitem(kp.DEFAULT, "scores" if mode == "SPLIT_FWD" else "wide", go)
+    launch = {"SPLIT_FWD": "scores", "WIDE_FWD": "wide", "WIDE_DQ": "wide_dq"}[mode]
+    go = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else kp.DEFAULT[launch] | dict(num_warps=8, NB=2)
+    monkeypatch.setitem(kp.DEFAULT, launch, go)
     check_with(monkeypatch, {mode: getattr(kp, mode) ^ {D}}, 1050, D, dtype, tol, D + 6, device="cuda")
 
 

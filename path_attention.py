@@ -235,9 +235,9 @@ def path_attention_triton(q, k, v, w, beta, g=None, scale=None, block: int | Non
             mb = w.view(B * H, Tp // BL, BL, D).mT @ u.view(B * H, Tp // BL, BL, D)
     else:                                                   # 16-bit inputs: fused, tensor-core products
         qh, kh, mb, sd, u = kp.UTBlocks.apply(flat(q), flat(k), w, beta.reshape(B * H, Tp).float().contiguous(),
-                                              scale, BL, D in kp.CARRY_WU)
+                                              scale, BL, D in kp.CARRY_WU, kp.m_read(D, q.dtype))
         wu = (w.to(torch.float16), u) if D in kp.CARRY_WU else ()
-    o = kp.PathScan.apply(qh, kh, flat(v), mb.contiguous(), sd, G, scale, BL, chunk or kp.CHUNK, *wu)
+    o = kp.PathScan.apply(qh, kh, flat(v), mb, sd, G, scale, BL, chunk or kp.CHUNK, *wu)
     return o.view(B, H, Tp, DV)[:, :, :T]
 
 

@@ -744,10 +744,10 @@ def _tril_inverse(W, BETA, TI, row, LP: tl.constexpr, dt, D: tl.constexpr, BL: t
 
 @triton.jit
 def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl.constexpr, LP: tl.constexpr,
-            STORE_U: tl.constexpr):
+            STORE_U: tl.constexpr, STORE_M: tl.constexpr = True):
     """One block: qh = q - QW u, kh = k - F^T w, sd = scale (q k^T - QW F), the block product as
-    M = W^T u (P = I - M, D x D) with u = A w (stored in fp16 with STORE_U), and T^-1 kept for the backward.
-    QW = lower(q w^T), F = A strictLower(w k^T)."""
+    M = W^T u (P = I - M, D x D; with STORE_M) with u = A w (stored in fp16 with STORE_U), and T^-1 kept for the
+    backward. QW = lower(q w^T), F = A strictLower(w k^T)."""
     blk, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rc, rd = tl.arange(0, BL), tl.arange(0, D)
     row = bh * tl.num_programs(0) * BL + blk * BL + rc                # (BL,) token rows
@@ -768,8 +768,9 @@ def _ut_fwd(Q, K, W, BETA, QH, KH, MB, SD, TI, U, scale, D: tl.constexpr, BL: tl
     tl.store(QH + cd, (q - _mm(qw, u, LP, dt)).to(QH.dtype.element_ty))
     tl.store(KH + cd, (k - _mm(tl.trans(f), w, LP, dt)).to(KH.dtype.element_ty))
     tl.store(SD + cc, (scale * (_mm(q, tl.trans(k), LP, dt) - _mm(qw, f, LP, dt))).to(SD.dtype.element_ty))
-    dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
-    tl.store(MB + dd, _mm(tl.trans(w), u, LP, dt))
+    if STORE_M:
+        dd = (bh * tl.num_programs(0) + blk) * D * D + rd[:, None] * D + rd[None, :]
+        tl.store(MB + dd, _mm(tl.trans(w), u, LP, dt))
 
 
 @triton.jit
@@ -830,18 +831,21 @@ class UTBlocks(torch.autograd.Function):
     autograd gives in sd's dtype, then costs half the memory traffic, and it is no less exact than
     the logits that the attention kernels form from qh and kh. M is float32. With store_u it also
     returns U (BH, T, D), in fp16 for 16-bit inputs, which only serves as a second form of M (CARRY_WU): it has no
-    gradient of its own, M's carries it."""
+    gradient of its own, M's carries it. Without store_m M is not formed (where nothing reads it: `m_read`):
+    a zero-stride stand-in of its shape, no memory, still carries M's gradient back."""
 
     @staticmethod
-    def forward(ctx, q, k, w, beta, scale, BL, store_u=False):
+    def forward(ctx, q, k, w, beta, scale, BL, store_u=False, store_m=True):
         BH, T, D = q.shape
         f32 = dict(device=q.device, dtype=torch.float32)
-        qh, kh, mb = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T // BL, D, D, **f32)
+        shape = (BH, T // BL, D, D)
+        mb = torch.empty(shape, **f32) if store_m else torch.zeros((), **f32).expand(shape)
+        qh, kh = torch.empty_like(q), torch.empty_like(k)
         sd, ti = torch.empty(BH, T, BL, device=q.device, dtype=q.dtype), torch.empty(BH, T, BL, **f32)
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
         u = torch.empty_like(q, dtype=torch.float16 if lp else torch.float32) if store_u else None
         _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, qh if u is None else u, scale, D=D, BL=BL, LP=lp,
-                               STORE_U=store_u, num_warps=UT_WARPS)
+                               STORE_U=store_u, STORE_M=store_m, num_warps=UT_WARPS)
         ctx.save_for_backward(q, k, w, beta, ti)
         ctx.scale, ctx.BL, ctx.lp = scale, BL, lp
         if u is not None:
@@ -860,7 +864,14 @@ class UTBlocks(torch.autograd.Function):
         dbeta = torch.empty(BH, T, **f32)
         _ut_bwd[(T // ctx.BL, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, BL=ctx.BL,
                                   LP=ctx.lp, num_warps=UT_WARPS)
-        return dq, dk, dw, dbeta, None, None, None
+        return dq, dk, dw, dbeta, None, None, None, None
+
+
+def m_read(D: int, dtype) -> bool:
+    """Whether anything reads the block products M of 16-bit inputs: not where the attention kernels carry by
+    W and U (CARRY_WU) and both chunk kernels do too (CHUNK_WU, CHUNK_WU_BWD)."""
+    by_wu = D in CARRY_WU and D in CHUNK_WU and D in CHUNK_WU_BWD
+    return not (by_wu and chunk_kernels_apply(D, dtype))
 
 
 def chunk_products(kh, mb, BL: int, R: int):

@@ -212,6 +212,22 @@ def test_triton_with_the_chunk_products_by_w_and_u(T, D, block, chunk, gate, fwd
                T, D, torch.float16, 2e-2, T + D + 3, gate, block=block, chunk=chunk)
 
 
+@pytest.mark.parametrize("bwd", [False, True])
+def test_triton_forms_m_only_where_it_is_read(bwd, monkeypatch):
+    """With the states and both chunk kernels carried by W and U (CARRY_WU, CHUNK_WU, CHUNK_WU_BWD) nothing reads
+    the block products M: the UT step leaves them out (a zero-stride stand-in carries M's gradient), and the
+    output and every gradient still match the reference; with CHUNK_WU_BWD off, `_chunk_bwd` reads M: formed."""
+    import kernels.path_attention as kp
+    seen = []
+    apply = kp.UTBlocks.apply
+    monkeypatch.setattr(kp.UTBlocks, "apply", lambda *a: seen.append(apply(*a)) or seen[-1])
+    check_with(monkeypatch, {"CARRY_WU": {32}, "CHUNK_WU": {32}, "CHUNK_WU_BWD": {32} if bwd else set()}, 97, 32,
+               torch.float16, 2e-2, 131, block=16, chunk=2)
+    mb = seen[0][2]
+    assert (mb.stride() == (0, 0, 0, 0)) == bwd and kp.m_read(32, torch.float16) != bwd
+    assert kp.m_read(32, torch.float32)                     # float32: the PyTorch chunk products read M
+
+
 @pytest.mark.parametrize("T,D,block,chunk,dtype,tol", [(97, 16, 16, 3, torch.float32, 1e-4),
                                                      (97, 32, 16, 2, torch.float16, 2e-2),
                                                      (40, 128, 16, 4, torch.float16, 2e-2)])

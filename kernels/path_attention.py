@@ -291,7 +291,8 @@ def _fwd_blocks(QH, QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, T, n, n_chun
     # 1. the program's own blocks c as keys, right to left; rows of block rb > c score c with their state rb - c - 1
     for cc in tl.static_range(NB):
         c = NB - 1 - cc
-        col = bh * T + (i0 + c) * BL + rc
+        blk = tl.minimum(i0 + c, n - 1)                             # past the last block only for rows not stored
+        col = bh * T + blk * BL + rc
         has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
         s = tl.load(SD + row[:, None] * BL + rc[None, :], mask=ok & (rb == c)[:, None], other=0.0)
         s = s.to(tl.float32) * LOG2E
@@ -303,7 +304,7 @@ def _fwd_blocks(QH, QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, T, n, n_chun
                 qk = q.to(KH.dtype.element_ty)
                 if SAVE:
                     tl.store(QS + at, qk, mask=ok & later)
-                q = tl.where(later, _carry(q, MB, W, U, bh * (T // BL) + i0 + c, col, rd, D, PREC, WU), q)
+                q = tl.where(later, _carry(q, MB, W, U, bh * (T // BL) + blk, col, rd, D, PREC, WU), q)
             else:
                 qk = tl.load(QS + at, mask=ok & later, other=0.0)
             s = tl.where(later, tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale, s)

@@ -124,6 +124,14 @@ def launch(name: str, D: int) -> dict:
     return DEFAULT[name] | LAUNCH.get(D, {}).get(name, {})
 
 
+def launch_blocks(name: str, D: int, R: int) -> tuple[int, dict]:
+    """NB and the other launch settings of a kernel taking NB query blocks a program: NB as set where it divides
+    the chunk of R blocks (a program's blocks share one chunk), else 1."""
+    go = launch(name, D)
+    nb = go.pop("NB")
+    return (nb if R % nb == 0 else 1), go
+
+
 def key_tile(BL: int, R: int, D: int) -> int:
     """Keys per tile where a query state scores a whole chunk (_fwd, _bwd_dq): two blocks (128 keys
     at BL = 64, measured faster than 64) when they divide the chunk and D <= 64, else one."""
@@ -1055,9 +1063,7 @@ class PathScan(torch.autograd.Function):
         if split or wide:                                        # `_fwd_blocks`: NB blocks a program
             if split:
                 _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
-            go = launch("scores" if split else "wide", D)
-            nb = go.pop("NB")
-            nb = nb if R % nb == 0 else 1                        # a program's blocks share one chunk
+            nb, go = launch_blocks("scores" if split else "wide", D, R)
             _fwd_blocks[(triton.cdiv(n, nb), BH)](qh, qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
                                                   lse, T, n, pl.shape[1], n_intra, n_inter, scale * LOG2E.value,
                                                   NB=nb, CARRY=wide, SAVE=save and wide, **meta, **go)
@@ -1090,9 +1096,7 @@ class PathScan(torch.autograd.Function):
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
         if D in WIDE_DQ:                                        # NB query blocks a program
-            go = launch("wide_dq", D)
-            nb = go.pop("NB")
-            nb = nb if R % nb == 0 else 1                       # a program's blocks share one chunk
+            nb, go = launch_blocks("wide_dq", D, R)
             _bwd_dq_blocks[(triton.cdiv(n, nb), BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
                                                      do, lse, delta, xs, xl, dqh, dsd, dgq, T, n, n_chunks, n_intra,
                                                      n_inter, scale * LOG2E.value, scale, NB=nb, KB=key_tile(BL, R, D),

@@ -29,9 +29,7 @@ FlashAttention:
   2. the earlier blocks m = i-1 ... aR of its chunk, right to left: score with the query state Q~
      (float32, in registers), and carry it through P_m:  Q~ <- Q~ - Q~ M_m;
   3. the earlier chunks b = a-1 ... 0: score chunk b's keys kL with Q~, and Q~ <- Q~ PL_b.
-In both loops the next state is formed before the current one scores, so that the two overlap. For the
-head dims of SPLIT_FWD, a first launch forms and stores the states alone, a second scores them; for those of
-WIDE_FWD one launch does both for two query blocks a program (`_fwd_blocks`).
+In both loops the next state is formed before the current one scores, so that the two overlap.
 
 Backward. Let X be the gradient reaching the query state. It runs left to right, the opposite way:
 before a product P it is X, after it X P^T, and every scored block adds dS K. The gradient of the
@@ -71,10 +69,7 @@ UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf
 # LAUNCH holds what differs from DEFAULT per head dim.
 DEFAULT = dict(fwd=dict(num_warps=4, num_stages=3, KS=3), dq=dict(num_warps=4, num_stages=3, KS=3, IS=2),
                dkv=dict(num_warps=4, num_stages=3), dkl=dict(num_warps=4, num_stages=3),
-               dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3),
-               states=dict(num_warps=4, num_stages=1, KS=1), scores=dict(num_warps=4, num_stages=3, KS=3, NB=1),
-               wide=dict(num_warps=8, num_stages=1, KS=3, NB=2),
-               wide_dq=dict(num_warps=8, num_stages=1, KS=3, IS=1, NB=2))
+               dm=dict(num_warps=4, num_stages=3), chunk=dict(num_warps=4, num_stages=3))
 LAUNCH = {64: dict(fwd=dict(num_stages=1), dq=dict(num_stages=1)),
           128: dict(fwd=dict(num_stages=1, KS=2), dq=dict(num_stages=1, KS=2, IS=1),
                     chunk=dict(num_warps=8, num_stages=1), dkl=dict(num_warps=8), dm=dict(num_warps=8))}
@@ -108,28 +103,9 @@ SPLIT_DM: set[int] = {128}
 CHUNK_WU: set[int] = {128}
 CHUNK_WU_BWD: set[int] = set()
 
-# Head dims whose forward takes NB query blocks a program in `_fwd_blocks` (NB x BL rows; `_fwd` takes one):
-# WIDE_FWD carries the states there, all the program's rows as one tile (launch "wide"); SPLIT_FWD first carries
-# and stores them in `_fwd` (launch "states") and then scores the stored states there (launch "scores"), its loops
-# holding no float32 state, the states stored without a backward too. With NB = 1 either gives `_fwd`'s output.
-# Neither is a default: SPLIT_FWD with NB = 1 was timed no faster (docs/perf/path.md); NB = 2 not timed yet.
-SPLIT_FWD: set[int] = set()
-WIDE_FWD: set[int] = set()
-# Head dims whose `_bwd_dq` takes NB query blocks a program too (`_bwd_dq_blocks`, launch "wide_dq"), X of all
-# the program's rows as one tile; with NB = 1 `_bwd_dq`'s output. Not a default (not timed yet).
-WIDE_DQ: set[int] = set()
-
 
 def launch(name: str, D: int) -> dict:
     return DEFAULT[name] | LAUNCH.get(D, {}).get(name, {})
-
-
-def launch_blocks(name: str, D: int, R: int) -> tuple[int, dict]:
-    """NB and the other launch settings of a kernel taking NB query blocks a program: NB as set where it divides
-    the chunk of R blocks (a program's blocks share one chunk), else 1."""
-    go = launch(name, D)
-    nb = go.pop("NB")
-    return (nb if R % nb == 0 else 1), go
 
 
 def key_tile(BL: int, R: int, D: int) -> int:
@@ -189,13 +165,11 @@ def _carry(x, MB, W, U, blk, col, rd, D: tl.constexpr, PREC: tl.constexpr, WU: t
 
 
 @triton.jit
-def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr, EMPTY: tl.constexpr = False):
-    """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV). EMPTY: rows may have
-    met no key yet (mx and all of s -inf): they stay empty instead of turning NaN."""
+def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr):
+    """One online-softmax update with base-2 logits s (BL, keys) and values v (keys, DV)."""
     mnew = tl.maximum(mx, tl.max(s, 1))
-    ref = tl.where(mnew == float("-inf"), 0.0, mnew) if EMPTY else mnew
-    alpha = tl.exp2(mx - ref)
-    p = tl.exp2(s - ref[:, None])
+    alpha = tl.exp2(mx - mnew)
+    p = tl.exp2(s - mnew[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC16)
     return mnew, lsum, acc
@@ -205,46 +179,41 @@ def _softmax_step(s, v, mx, lsum, acc, PREC16: tl.constexpr, EMPTY: tl.constexpr
 def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intra, n_inter, qk_scale,
          D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
          KS: tl.constexpr, HAS_G: tl.constexpr, SAVE: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
-         WU: tl.constexpr, SCORE: tl.constexpr = True):
-    """One query block: its states carried and scored. Without SCORE (SPLIT_FWD's first launch) the states
-    are carried and stored alone, for `_fwd_blocks` to score."""
+         WU: tl.constexpr):
     i, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: buffers pass 2^31
     rc, rd, rv, rk = tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
     tile = rc[:, None] * D + rd[None, :]                             # one stored state (BL, D)
     row = bh * T + i * BL + rc                                       # (BL,) query rows
     q = tl.load(QH + row[:, None] * D + rd[None, :]).to(tl.float32)  # (BL, D) query state
-    if SCORE:
-        if HAS_G:
-            gq = tl.load(G + row) * LOG2E
-        # 1. diagonal block: logits precomputed inside the block
-        s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
-        if HAS_G:
-            s += gq[:, None] - gq[None, :]
-        s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
-        mx = tl.max(s, 1)
-        p = tl.exp2(s - mx[:, None])
-        lsum = tl.sum(p, 1)
-        v = tl.load(V + row[:, None] * DV + rv[None, :])
-        acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                        # (BL, DV) float32
+    if HAS_G:
+        gq = tl.load(G + row) * LOG2E
+    # 1. diagonal block: logits precomputed inside the block
+    s = tl.load(SD + row[:, None] * BL + rc[None, :]).to(tl.float32) * LOG2E
+    if HAS_G:
+        s += gq[:, None] - gq[None, :]
+    s = tl.where(rc[None, :] <= rc[:, None], s, float("-inf"))
+    mx = tl.max(s, 1)
+    p = tl.exp2(s - mx[:, None])
+    lsum = tl.sum(p, 1)
+    v = tl.load(V + row[:, None] * DV + rv[None, :])
+    acc = tl.dot(p.to(v.dtype), v, input_precision=PREC16)                            # (BL, DV) float32
     # 2. the earlier blocks of this chunk, right to left
     a = i // R
     first = bh * n_intra + _intra(i, R)
     for t in range(0, i - a * R):
         m = i - 1 - t
         col = bh * T + m * BL + rc
-        if SCORE:
-            kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        qk = q.to(KH.dtype.element_ty)
+        kh = tl.load(KH + col[:, None] * D + rd[None, :])
+        qk = q.to(kh.dtype)
         if SAVE:
             tl.store(QS + (first + t) * BL * D + tile, qk)
         # the next state, while this one scores
         q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)
-        if SCORE:
-            s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
-            if HAS_G:
-                s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
-            v = tl.load(V + col[:, None] * DV + rv[None, :])
-            mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
+        s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
+        if HAS_G:
+            s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
+        v = tl.load(V + col[:, None] * DV + rv[None, :])
+        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
     # 3. the earlier chunks, right to left, one state each
     first = bh * n_inter + _inter(i, R)
     for t in range(0, a):
@@ -255,114 +224,16 @@ def _fwd(QH, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, QS, QL, T, n_chunks, n_intr
         if b > 0:                                          # the next state, while this one scores
             pl = _square(PL, bh * n_chunks + b, rd, D)                # fp16 with WU
             q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
-        if SCORE:
-            for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
-                ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
-                kl = tl.load(KL + ck[:, None] * D + rd[None, :])
-                sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
-                if HAS_G:
-                    sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
-                vk = tl.load(V + ck[:, None] * DV + rv[None, :])
-                mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
-    if SCORE:
-        tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
-        tl.store(LSE + row, mx + tl.log2(lsum))
-
-
-@triton.jit
-def _fwd_blocks(QH, QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, LSE, T, n, n_chunks, n_intra, n_inter, qk_scale,
-                D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr, R: tl.constexpr, NB: tl.constexpr,
-                KB: tl.constexpr, KS: tl.constexpr, HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr,
-                WU: tl.constexpr, CARRY: tl.constexpr, SAVE: tl.constexpr):
-    """`_fwd` for NB query blocks of one chunk a program (NB x BL rows, NB divides R). The program's own blocks come
-    first, right to left: a row scores its own block from sd, and a block c left of its own with its state for c.
-    After them every row's state has passed the program's blocks left of its own, and from there all rows go
-    through the same block and chunk products, as one tile. With CARRY (WIDE_FWD) it carries the states itself
-    (storing them with SAVE); without (SPLIT_FWD's second launch) it loads those `_fwd` stored. With NB = 1 its
-    products and their order are `_fwd`'s."""
-    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
-    rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
-    i0 = pid * NB
-    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block, row in it
-    okr = i0 + rb < n                                               # the last program may pass the last block
-    ok = okr[:, None]
-    row = bh * T + i0 * BL + rq                                     # (NB BL,) query rows
-    if HAS_G:
-        gq = tl.load(G + row, mask=okr, other=0.0) * LOG2E
-    intra = bh * n_intra + _intra(i0 + rb, R)                       # (NB BL,) each row's first stored state
-    inter = bh * n_inter + _inter(i0 + rb, R)
-    if CARRY:
-        q = tl.load(QH + row[:, None] * D + rd[None, :], mask=ok, other=0.0).to(tl.float32)  # the query states
-    mx = tl.full([NB * BL], float("-inf"), tl.float32)
-    lsum = tl.zeros([NB * BL], tl.float32)
-    acc = tl.zeros([NB * BL, DV], tl.float32)
-    # 1. the program's own blocks c as keys, right to left; rows of block rb > c score c with their state rb - c - 1
-    for cc in tl.static_range(NB):
-        c = NB - 1 - cc
-        blk = tl.minimum(i0 + c, n - 1)                             # past the last block only for rows not stored
-        col = bh * T + blk * BL + rc
-        has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
-        s = tl.load(SD + row[:, None] * BL + rc[None, :], mask=ok & (rb == c)[:, None], other=0.0)
-        s = s.to(tl.float32) * LOG2E
-        if c < NB - 1:                                              # rows of the blocks right of c
-            later = (rb > c)[:, None]
-            kh = tl.load(KH + col[:, None] * D + rd[None, :], mask=has[:, None], other=0.0)
-            at = ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :]
-            if CARRY:
-                qk = q.to(KH.dtype.element_ty)
-                if SAVE:
-                    tl.store(QS + at, qk, mask=ok & later)
-                q = tl.where(later, _carry(q, MB, W, U, bh * (T // BL) + blk, col, rd, D, PREC, WU), q)
-            else:
-                qk = tl.load(QS + at, mask=ok & later, other=0.0)
-            s = tl.where(later, tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale, s)
-        if HAS_G:
-            s += gq[:, None] - tl.load(G + col, mask=has, other=0.0)[None, :] * LOG2E
-        s = tl.where((rb > c)[:, None] | ((rb == c)[:, None] & (rc[None, :] <= rr[:, None])), s, float("-inf"))
-        v = tl.load(V + col[:, None] * DV + rv[None, :], mask=has[:, None], other=0.0)
-        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16, EMPTY=NB > 1)
-    # 2. the earlier blocks of this chunk, right to left: block m is state rb + t of a row of block rb
-    a = i0 // R
-    for t in range(0, i0 - a * R):
-        m = i0 - 1 - t
-        col = bh * T + m * BL + rc
-        kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        at = ((intra + rb + t) * BL + rr)[:, None] * D + rd[None, :]
-        if CARRY:
-            qk = q.to(KH.dtype.element_ty)
-            if SAVE:
-                tl.store(QS + at, qk, mask=ok)
-            q = _carry(q, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU)     # the next state, while this scores
-        else:
-            qk = tl.load(QS + at, mask=ok, other=0.0)
-        s = tl.dot(qk, tl.trans(kh), input_precision=PREC16) * qk_scale
-        if HAS_G:
-            s += gq[:, None] - tl.load(G + col)[None, :] * LOG2E
-        v = tl.load(V + col[:, None] * DV + rv[None, :])
-        mx, lsum, acc = _softmax_step(s, v, mx, lsum, acc, PREC16)
-    # 3. the earlier chunks, right to left, one state each
-    for t in range(0, a):
-        b = a - 1 - t
-        at = ((inter + b) * BL + rr)[:, None] * D + rd[None, :]
-        if CARRY:
-            qk = q.to(KL.dtype.element_ty)
-            if SAVE:
-                tl.store(QL + at, qk, mask=ok)
-            if b > 0:                                      # the next state, while this one scores
-                pl = _square(PL, bh * n_chunks + b, rd, D)            # fp16 with WU
-                q = tl.dot(q.to(pl.dtype), pl) if WU else tl.dot(q, pl, input_precision=PREC)
-        else:
-            qk = tl.load(QL + at, mask=ok, other=0.0)
         for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
-            ck = bh * T + b * R * BL + j + rk
+            ck = bh * T + b * R * BL + j + rk                # (KB,) key rows
             kl = tl.load(KL + ck[:, None] * D + rd[None, :])
             sk = tl.dot(qk, tl.trans(kl), input_precision=PREC16) * qk_scale
             if HAS_G:
                 sk += gq[:, None] - tl.load(G + ck)[None, :] * LOG2E
             vk = tl.load(V + ck[:, None] * DV + rv[None, :])
             mx, lsum, acc = _softmax_step(sk, vk, mx, lsum, acc, PREC16)
-    tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty), mask=ok)
-    tl.store(LSE + row, mx + tl.log2(lsum), mask=okr)
+    tl.store(O + row[:, None] * DV + rv[None, :], (acc / lsum[:, None]).to(O.dtype.element_ty))
+    tl.store(LSE + row, mx + tl.log2(lsum))
 
 
 @triton.jit
@@ -436,93 +307,6 @@ def _bwd_dq(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, D
     tl.store(DQH + row[:, None] * D + rd[None, :], (x * irs).to(DQH.dtype.element_ty))
     if HAS_G:
         tl.store(DGQ + row, dg)
-
-
-@triton.jit
-def _bwd_dq_blocks(QS, QL, KH, KL, V, MB, W, U, PL, SD, G, O, DO, LSE, DELTA, XS, XL, DQH, DSD, DGQ, T, n, n_chunks,
-                   n_intra, n_inter, qk_scale, scale, D: tl.constexpr, DV: tl.constexpr, BL: tl.constexpr,
-                   R: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr, KS: tl.constexpr, IS: tl.constexpr,
-                   HAS_G: tl.constexpr, PREC: tl.constexpr, PREC16: tl.constexpr, WU: tl.constexpr):
-    """`_bwd_dq` for NB query blocks of one chunk a program (WIDE_DQ; NB x BL rows, NB divides R), X of all rows
-    as one tile: left to right through the earlier chunks and the chunk's blocks left of the program, which every
-    row's state passed, then through the program's own blocks, a row's X stopping at its own. The diagonal blocks
-    come first, as in `_bwd_dq`; with NB = 1 its products and their order are `_bwd_dq`'s."""
-    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)   # int64: buffers pass 2^31
-    rq, rc, rd, rv, rk = tl.arange(0, NB * BL), tl.arange(0, BL), tl.arange(0, D), tl.arange(0, DV), tl.arange(0, KB)
-    i0 = pid * NB
-    rb, rr = rq // BL, rq % BL                                      # (NB BL,) each row's block, row in it
-    okr = i0 + rb < n                                               # the last program may pass the last block
-    ok = okr[:, None]
-    row = bh * T + i0 * BL + rq
-    do = tl.load(DO + row[:, None] * DV + rv[None, :], mask=ok, other=0.0)
-    lse = tl.load(LSE + row, mask=okr, other=0.0)
-    o = tl.load(O + row[:, None] * DV + rv[None, :], mask=ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(DELTA + row, delta, mask=okr)                          # rowsum(dO * O), for _bwd_dkv
-    gq = tl.load(G + row, mask=okr, other=0.0) * LOG2E if HAS_G else tl.zeros([NB * BL], tl.float32)
-    intra = bh * n_intra + _intra(i0 + rb, R)                       # (NB BL,) each row's first stored state
-    inter = bh * n_inter + _inter(i0 + rb, R)
-    # diagonal blocks: a row's own block from sd
-    dg = tl.zeros([NB * BL], tl.float32)
-    for c in tl.static_range(NB):
-        col = bh * T + (i0 + c) * BL + rc
-        has = i0 + c + 0 * rc < n                                   # (BL,) the block exists
-        own = ok & (rb == c)[:, None]
-        s = tl.load(SD + row[:, None] * BL + rc[None, :], mask=own, other=0.0).to(tl.float32) * LOG2E
-        if HAS_G:
-            s += gq[:, None] - tl.load(G + col, mask=has, other=0.0)[None, :] * LOG2E
-        s = tl.where(own & (rc[None, :] <= rr[:, None]), s, float("-inf"))
-        p = tl.exp2(s - lse[:, None])
-        v = tl.load(V + col[:, None] * DV + rv[None, :], mask=has[:, None], other=0.0)
-        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC16) - delta[:, None])   # dL/d(logit)
-        tl.store(DSD + row[:, None] * BL + rc[None, :], ds.to(DSD.dtype.element_ty), mask=own)
-        dg += tl.sum(ds, 1)
-    # X, kept as X rs: with WU, rs (NB BL, 1) brings its rows into fp16's range for the carries' products
-    x = tl.zeros([NB * BL, D], dtype=tl.float32)
-    rs = _row_scale(do) if WU else 1.0
-    irs, up = 1.0 / rs, scale * rs                                   # exact: powers of two
-    # the earlier chunks, left to right: X is stored before PL_b, then carried through it
-    a = i0 // R
-    for b in range(0, a):
-        at = ((inter + b) * BL + rr)[:, None] * D + rd[None, :]
-        tl.store(XL + at, (x * irs).to(XL.dtype.element_ty), mask=ok)
-        qs = tl.load(QL + at, mask=ok, other=0.0)
-        pl = _square(PL, bh * n_chunks + b, rd, D)                    # fp16 with WU
-        x = tl.dot(x.to(pl.dtype), tl.trans(pl)) if WU else tl.dot(x, tl.trans(pl), input_precision=PREC)
-        for j in tl.range(0, R * BL, KB, num_stages=KS):   # the chunk's keys, KB at a time
-            ck = bh * T + b * R * BL + j + rk
-            kl = tl.load(KL + ck[:, None] * D + rd[None, :])
-            dsk = _dq_pair(qs, kl, ck, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
-            dg += tl.sum(dsk, 1)
-            x += up * tl.dot(dsk.to(kl.dtype), kl, input_precision=PREC16)
-    # the earlier blocks of this chunk left of the program, left to right: block m is state i0 + rb - 1 - m
-    for m in tl.range(a * R, i0, num_stages=IS):
-        col = bh * T + m * BL + rc
-        at = ((intra + i0 + rb - 1 - m) * BL + rr)[:, None] * D + rd[None, :]
-        tl.store(XS + at, (x * irs).to(XS.dtype.element_ty), mask=ok)
-        qs = tl.load(QS + at, mask=ok, other=0.0)
-        kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
-        dg += tl.sum(ds, 1)
-        x = _carry(x, MB, W, U, bh * (T // BL) + m, col, rd, D, PREC, WU, True)
-        x += up * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
-    # the program's own blocks c, left to right: rows of block rb > c go through c (state rb - c - 1)
-    for c in tl.static_range(NB - 1):
-        blk = tl.minimum(i0 + c, n - 1)                             # past the last block only for rows not stored
-        col = bh * T + blk * BL + rc
-        later = ok & (rb > c)[:, None]
-        at = ((intra + rb - c - 1) * BL + rr)[:, None] * D + rd[None, :]
-        tl.store(XS + at, (x * irs).to(XS.dtype.element_ty), mask=later)
-        qs = tl.load(QS + at, mask=later, other=0.0)
-        kh = tl.load(KH + col[:, None] * D + rd[None, :])
-        ds = _dq_pair(qs, kh, col, V, G, gq, do, lse, delta, qk_scale, rv, HAS_G, DV, PREC16)
-        ds = tl.where(later, ds, 0.0)
-        dg += tl.sum(ds, 1)
-        x = tl.where(later, _carry(x, MB, W, U, bh * (T // BL) + blk, col, rd, D, PREC, WU, True), x)
-        x += up * tl.dot(ds.to(kh.dtype), kh, input_precision=PREC16)
-    tl.store(DQH + row[:, None] * D + rd[None, :], (x * irs).to(DQH.dtype.element_ty), mask=ok)
-    if HAS_G:
-        tl.store(DGQ + row, dg, mask=okr)
 
 
 @triton.jit
@@ -1050,25 +834,14 @@ class PathScan(torch.autograd.Function):
         o = torch.empty_like(v)
         lse = torch.empty(BH, T, device=v.device, dtype=torch.float32)
         states = lambda k: torch.empty(BH, max(k, 1), BL, D, device=v.device, dtype=kh.dtype) # noqa: E731
-        split = D in SPLIT_FWD                                   # the states are stored even without grad
-        qs, ql = (states(n_intra), states(n_inter)) if save or split else (o, o)
+        qs, ql = (states(n_intra), states(n_inter)) if save else (o, o)
         has_g = G is not None
         wu = w16 is not None
         w16, u16 = (w16, u16) if wu else (mb, mb)                # not read without WU
         plc = pl.to(torch.float16) if wu else pl                 # the carries' PL: fp16 with WU
-        args = (qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1], n_intra,
-                n_inter, scale * LOG2E.value)
-        meta = dict(D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D), HAS_G=has_g, PREC=prec, PREC16=prec16, WU=wu)
-        wide = D in WIDE_FWD and not split
-        if split or wide:                                        # `_fwd_blocks`: NB blocks a program
-            if split:
-                _fwd[(n, BH)](*args, SAVE=True, SCORE=False, **meta, **launch("states", D))
-            nb, go = launch_blocks("scores" if split else "wide", D, R)
-            _fwd_blocks[(triton.cdiv(n, nb), BH)](qh, qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
-                                                  lse, T, n, pl.shape[1], n_intra, n_inter, scale * LOG2E.value,
-                                                  NB=nb, CARRY=wide, SAVE=save and wide, **meta, **go)
-        else:
-            _fwd[(n, BH)](*args, SAVE=save, **meta, **launch("fwd", D))
+        _fwd[(n, BH)](qh, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, lse, qs, ql, T, pl.shape[1],
+                      n_intra, n_inter, scale * LOG2E.value, D=D, DV=DV, BL=BL, R=R, KB=key_tile(BL, R, D),
+                      HAS_G=has_g, SAVE=save, PREC=prec, PREC16=prec16, WU=wu, **launch("fwd", D))
         ctx.save_for_backward(qs, ql, khc, kh, kl, v, mb, w16, u16, pl, plc, suf, sd, G, o, lse)
         ctx.wu, ctx.cw = wu, chunk_kernels_apply(D, v.dtype) and wu and D in CHUNK_WU_BWD
         ctx.scale, ctx.BL, ctx.R, ctx.prec, ctx.qh_dtype = scale, BL, R, (prec, prec16), qh.dtype
@@ -1095,16 +868,9 @@ class PathScan(torch.autograd.Function):
         dv, dmb, dpl = torch.empty_like(v), torch.empty(BH, n, D, D, **f32), torch.empty(BH, n, D, D, **f32)
         dgq, dgk = (torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)) if has_g else (lse, lse)
         meta = dict(D=D, DV=DV, BL=BL, R=R, HAS_G=has_g, PREC=prec, PREC16=prec16)
-        if D in WIDE_DQ:                                        # NB query blocks a program
-            nb, go = launch_blocks("wide_dq", D, R)
-            _bwd_dq_blocks[(triton.cdiv(n, nb), BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o,
-                                                     do, lse, delta, xs, xl, dqh, dsd, dgq, T, n, n_chunks, n_intra,
-                                                     n_inter, scale * LOG2E.value, scale, NB=nb, KB=key_tile(BL, R, D),
-                                                     WU=ctx.wu, **meta, **go)
-        else:
-            _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, do, lse, delta, xs,
-                             xl, dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
-                             KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
+        _bwd_dq[(n, BH)](qs, ql, kh, kl, v, mb, w16, u16, plc, sd, G if has_g else lse, o, do, lse, delta, xs, xl,
+                         dqh, dsd, dgq, T, n_chunks, n_intra, n_inter, scale * LOG2E.value, scale,
+                         KB=key_tile(BL, R, D), WU=ctx.wu, **meta, **launch("dq", D))
         suf_arg = suf if fold_kl else mb                        # _bwd_dkv reads SUF only with FOLD_KL
         split = D in SPLIT_DKL
         if split:                                               # the later chunks' pairs first

@@ -241,42 +241,6 @@ def test_triton_with_the_d_x_d_sums_in_their_own_kernel(T, D, block, chunk, dtyp
                gate, block=block, chunk=chunk)
 
 
-@pytest.mark.parametrize("T,D,block,chunk,dtype,gate", [(97, 32, 16, 3, torch.float32, True),
-                                                        (97, 32, 16, 4, torch.float32, True),
-                                                        (40, 128, 16, 2, torch.float16, True),
-                                                        (97, 16, 16, 8, torch.float32, False)])
-@pytest.mark.parametrize("nb", [1, 2])
-@pytest.mark.parametrize("mode", ["SPLIT_FWD", "WIDE_FWD", "WIDE_DQ"])
-def test_triton_forward_by_blocks_of_queries(T, D, block, chunk, dtype, gate, nb, mode, monkeypatch):
-    """kernels.path_attention's kernels for nb query blocks a program (an odd number of blocks here: the last
-    program has one; chunks of 3 take one block a program): SPLIT_FWD (`_fwd` carries and stores the states,
-    `_fwd_blocks` scores them), WIDE_FWD (`_fwd_blocks` carries them too) and WIDE_DQ (`_bwd_dq_blocks`). With one
-    block a program the products and their order are `_fwd`'s and `_bwd_dq`'s: the output and every gradient are
-    theirs bit for bit in the interpreter, and the output without a backward as well. With two, sums meet the
-    program's blocks in another order: the same values to rounding. The default kernels match the reference."""
-    import kernels.path_attention as kp
-    device = "cuda" if GPU else "cpu"
-    launch = {"SPLIT_FWD": "scores", "WIDE_FWD": "wide", "WIDE_DQ": "wide_dq"}[mode]
-    monkeypatch.setitem(kp.DEFAULT, launch, kp.DEFAULT[launch] | {"NB": nb})
-    xs = make_inputs(1, 2, T, D, gate=gate, dtype=dtype, device=device, seed=T + D + 4)
-    do = torch.randn(1, 2, T, D, device=device)
-    got = {}
-    for split in (False, True):
-        monkeypatch.setattr(kp, mode, {D} if split else set())
-        got[split] = run(path_attention_triton, xs, do, block=block, chunk=chunk)
-        with torch.no_grad():
-            got[split].append(path_attention_triton(*xs, block=block, chunk=chunk))
-    tol = 2e-2 if dtype == torch.float16 else 1e-4
-    check(got[False][:-1], reference(xs, do), names_for(xs), tol)
-    names = ["out"] + names_for(xs) + ["out without grad"]
-    if not GPU and (nb == 1 or chunk % nb):                    # compiled, the two kernels may round apart
-        for name, a, b in zip(names, got[False], got[True]):
-            assert torch.equal(a, b), name
-    else:
-        check(got[True], got[False], names[1:], tol / 10 if dtype == torch.float16 else 1e-5)
-    assert torch.equal(got[True][-1], got[True][0])
-
-
 # D = 128 in 16 bits: the fused UT step, then the PyTorch chunk products (3 blocks, 2 chunks)
 @pytest.mark.parametrize("T,D,block,chunk", [(7, 16, 16, 8), (97, 32, 16, 2), (40, 128, 16, 2)])
 def test_triton_matches_naive_fp16(T, D, block, chunk):
@@ -426,26 +390,6 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
     compiled, T = 1100 with the default blocks (chunk level, gated), beside SPLIT_DKL's default."""
     import kernels.path_attention as kp
     check_with(monkeypatch, {"SPLIT_DM": kp.SPLIT_DM ^ {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("mode,nb,dtype,tol,D", [("SPLIT_FWD", 1, torch.float32, 1e-4, 128),
-                                                ("SPLIT_FWD", 2, torch.bfloat16, 6e-2, 128),
-                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 64),
-                                                ("WIDE_FWD", 2, torch.bfloat16, 6e-2, 128),
-                                                ("WIDE_DQ", 2, torch.bfloat16, 6e-2, 128)])
-def test_triton_gpu_forward_by_blocks_of_queries(mode, nb, dtype, tol, D, monkeypatch):
-    """The kernels for several query blocks a program compiled, the ways no default takes (SPLIT_FWD: after `_fwd`
-    stored the states, `_fwd_blocks` scores one query block a program at 4 warps or two at 8; WIDE_FWD: two blocks
-    a program carried at 8 warps; WIDE_DQ: `_bwd_dq_blocks`, two at 8 warps), T = 1050 with the default blocks
-    (chunk level, 17 blocks: with two a program the last has one; gated): the output and every gradient against
-    the reference."""
-    import kernels.path_attention as kp
-    launch = {"SPLIT_FWD": "scores", "WIDE_FWD": "wide", "WIDE_DQ": "wide_dq"}[mode]
-    go = dict(num_warps=4, num_stages=3, KS=3, NB=1) if nb == 1 else kp.DEFAULT[launch] | dict(num_warps=8, NB=2)
-    monkeypatch.setitem(kp.DEFAULT, launch, go)
-    check_with(monkeypatch, {mode: getattr(kp, mode) ^ {D}}, 1050, D, dtype, tol, D + 6, device="cuda")
 
 
 def test_triton_rejects_other_head_dims():

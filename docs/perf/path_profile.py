@@ -7,12 +7,10 @@ settings are fastest at a given head dim.
     python docs/perf/path_profile.py --D 128 --H 16 --carry-wu 0,1             # states carried by W and U
     python docs/perf/path_profile.py --D 128 --H 16 --split-dm 0,1             # dM and dPL in _bwd_dm
     python docs/perf/path_profile.py --D 128 --carry-wu 1 --launch "" --launch "fwd.num_stages=2 dq.IS=2"
-    python docs/perf/path_profile.py --D 128 --split-fwd 1 --launch "" --launch "scores.NB=2 scores.num_warps=8"
-    python docs/perf/path_profile.py --D 128 --wide-fwd 0,1 --wide-dq 0,1      # two query blocks a program
 
 For each setting (warps x stages of the three attention kernels `_fwd`, `_bwd_dq`, `_bwd_dkv`,
-the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU, SPLIT_DM, SPLIT_FWD, WIDE_FWD,
-WIDE_DQ or not) it prints the median fwd+bwd time
+the block length BL, the fused UT kernels' warps, `_bwd_dkl` or not, CARRY_WU or not, SPLIT_DM or not) it
+prints the median fwd+bwd time
 (triton.testing.do_bench), the CUDA time of each kernel per fwd+bwd (torch.profiler), and the
 registers and spilled registers of each compiled Triton kernel. SDPA (causal, no position
 encoding) at the same shape is timed in the same process. Run it from the repository root; the
@@ -34,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import kernels.path_attention as kp  # noqa: E402
 import path_attention as pa  # noqa: E402
 
-# a name before any name it starts with: the profile's events are matched by prefix
-TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd_blocks", "_fwd", "_bwd_dq_blocks", "_bwd_dq", "_bwd_dkl", "_bwd_dm",
-                  "_bwd_dkv", "_chunk_fwd", "_chunk_bwd")
+TRITON_KERNELS = ("_ut_fwd", "_ut_bwd", "_fwd", "_bwd_dq", "_bwd_dkl", "_bwd_dm", "_bwd_dkv", "_chunk_fwd",
+                  "_chunk_bwd")
 
 
 def inputs(B, H, T, D, dtype, gate, device="cuda"):
@@ -111,12 +108,6 @@ HEAD_DIM_SETS = {
                  "chunk (1, CHUNK_WU; needs CARRY_WU)"),
     "chunk_wu_bwd": ("CHUNK_WU_BWD", "the chunk backward's dS carried by M (0) or by W and U in fp16 (1, "
                      "CHUNK_WU_BWD; needs CARRY_WU)"),
-    "split_fwd": ("SPLIT_FWD", "the forward's states carried and scored in one launch of _fwd (0) or carried and "
-                  "stored by _fwd, scored by _fwd_blocks (1, SPLIT_FWD)"),
-    "wide_fwd": ("WIDE_FWD", "the forward in _fwd, one query block a program (0), or in _fwd_blocks, NB blocks a "
-                 "program (1, WIDE_FWD; launch 'wide')"),
-    "wide_dq": ("WIDE_DQ", "the backward's dQ in _bwd_dq, one query block a program (0), or in _bwd_dq_blocks, "
-                "NB blocks a program (1, WIDE_DQ; launch 'wide_dq')"),
 }
 
 

@@ -592,6 +592,19 @@ def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
     assert means == [[pytest.approx(w, abs=5e-4) for w in want]]
     saved = json.loads((tmp_path / "h.json").read_text())
     assert saved["checkpoint_step"] == 3 and [r["step"] for r in saved["evaluations"]] == [1, 2, 3]
+    # the checkpoint and its saved evaluations drawn on one figure: the same means, one line per run and range
+    out = script("run_state.py", run, tmp_path / "h.json", "--ranges", "1-2,5-5", "--plot", tmp_path / "h.png")
+    assert out.count("| 3 |") == 2 and (tmp_path / "h.png").stat().st_size > 0
+    series = {"checkpoint": rows, "saved": run_state.history(meta)}
+    lines = run_state.plot(series, [(1, 2), (5, 5)], tmp_path / "h2.png")
+    assert [label for label, _, _ in lines] == ["checkpoint, 1-2", "checkpoint, 5", "saved, 1-2", "saved, 5"]
+    assert all(x == [1, 2, 3] for _, x, _ in lines)
+    assert [y[-1] for _, _, y in lines[:2]] == [pytest.approx(w) for w in want]
+    for bad, why in ((["--json", tmp_path / "j.json", run], "--json takes one run"),
+                     (["--plot", tmp_path / "p.png"], "--plot needs --ranges")):
+        done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run), *map(str, bad)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and why in done.stderr
     (run / train.CKPT).unlink()
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -8,6 +8,9 @@ and the command line show its evaluations so far:
 
     python docs/perf/run_state.py runs/add_cot/prism-150k-full/seed0 [--every 4000] [--ranges 1-10,11-20,21-30]
     python docs/perf/run_state.py RUN --json OUT.json     # the evaluations, exact match by length, as JSON
+    python docs/perf/run_state.py RUN [RUN ...] --ranges 11-20,21-30 --plot OUT.png   # the ranges over steps
+
+A RUN may also be a JSON file that `--json` wrote (the evaluations of a checkpoint that is gone).
 
 Run it from the repository root.
 """
@@ -68,6 +71,12 @@ def history(meta: dict) -> list[dict]:
     return rows
 
 
+def range_mean(row: dict, a: int, b: int) -> float | None:
+    """One evaluation's mean exact match over the lengths a-b it has (None if it has none)."""
+    got = [v for L, v in row["exact"].items() if a <= L <= b]
+    return float(np.mean(got)) if got else None
+
+
 def table(rows: list[dict], ranges: list[tuple[int, int]], every: int = 0) -> str:
     """Mean exact match over each range of lengths (those evaluated), one line per evaluation (every `every`
     steps, and the last)."""
@@ -76,41 +85,88 @@ def table(rows: list[dict], ranges: list[tuple[int, int]], every: int = 0) -> st
     for i, r in enumerate(rows):
         if every and r["step"] % every and i != len(rows) - 1:
             continue
-        cells = []
-        for a, b in ranges:
-            got = [v for L, v in r["exact"].items() if a <= L <= b]
-            cells.append(f"{np.mean(got):.3f}" if got else "-")
+        cells = [f"{m:.3f}" if m is not None else "-" for m in (range_mean(r, a, b) for a, b in ranges)]
         lines.append(f"| {r['step']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def means(rows: list[dict], a: int, b: int) -> tuple[list[int], list[float]]:
+    """(steps, mean exact match over the lengths a-b evaluated) of the evaluations that have any of them."""
+    got = [(r["step"], range_mean(r, a, b)) for r in rows]
+    return [step for step, m in got if m is not None], [m for _, m in got if m is not None]
+
+
+def plot(series: dict[str, list[dict]], ranges: list[tuple[int, int]], out) -> list[tuple[str, list, list]]:
+    """One line per run and range (a colour a run, a line style a range): exact match over training steps.
+    Returns (label, steps, means) of each line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    lines, styles = [], ["-", "--", ":", "-."]
+    for i, (name, rows) in enumerate(series.items()):
+        for j, (a, b) in enumerate(ranges):
+            label = f"{name}, {a}-{b}" if a != b else f"{name}, {a}"
+            x, y = means(rows, a, b)
+            ax.plot(x, y, styles[j % len(styles)], color=f"C{i}", label=label, linewidth=1.2)
+            lines.append((label, x, y))
+    ax.set_xlabel("training step")
+    ax.set_ylabel("exact match (evaluations during training)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", help="a seed's folder: metrics.json (and model.pt) or a checkpoint")
+    p.add_argument("runs", nargs="+", metavar="run",
+                   help="a seed's folder (metrics.json and model.pt, or a checkpoint), or a JSON file --json wrote")
     p.add_argument("--ranges", default="", help="lengths to average, e.g. 1-10,11-20 (default: each length)")
     p.add_argument("--every", type=int, default=0, help="one line every this many steps (default: every one)")
-    p.add_argument("--json", help="write the evaluations (step, n, exact match by length) to this file")
-    a = p.parse_args(argv)
+    p.add_argument("--json", help="write the evaluations (step, n, exact match by length) to this file (one run)")
+    p.add_argument("--plot", help="draw each range's mean over the steps, every run on one figure (needs --ranges)")
+    a = p.parse_intermixed_args(argv)                                # runs before and after options
     try:
         ranges = [tuple(int(x) for x in part.split("-")) for part in a.ranges.split(",")] if a.ranges else None
         assert ranges is None or all(len(r) == 2 and r[0] <= r[1] for r in ranges)
     except (ValueError, AssertionError):
         p.error(f"--ranges {a.ranges!r}: give ranges like 1-10,11-20")
-    try:
-        meta, _ = read(a.run)
-    except FileNotFoundError as e:
-        p.error(str(e))
-    rows = history(meta)
-    where = f"checkpoint at step {meta['step']}" if "step" in meta else "finished run"
-    print(f"{a.run}: {meta['task']}, {meta['method']}, {where}; {len(rows)} evaluations during training")
-    if not rows:
-        return 0
-    ranges = ranges or [(L, L) for L in sorted(rows[-1]["exact"])]
-    print(table(rows, ranges, a.every))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"run": str(a.run), "checkpoint_step": meta.get("step"),
-                                            "evaluations": rows}))
-        print(f"wrote {a.json}")
+    if a.json and len(a.runs) > 1:
+        p.error("--json takes one run")
+    if a.plot and not ranges:
+        p.error("--plot needs --ranges")
+    series = {}
+    for run in a.runs:
+        if str(run).endswith(".json") and Path(run).is_file():
+            saved = json.loads(Path(run).read_text())
+            rows = [{**r, "exact": {int(L): v for L, v in r["exact"].items()}} for r in saved["evaluations"]]
+            print(f"{run}: the evaluations of {saved['run']} (checkpoint at step {saved['checkpoint_step']})")
+            name = saved["run"]
+        else:
+            try:
+                meta, _ = read(run)
+            except FileNotFoundError as e:
+                p.error(str(e))
+            rows = history(meta)
+            where = f"checkpoint at step {meta['step']}" if "step" in meta else "finished run"
+            print(f"{run}: {meta['task']}, {meta['method']}, {where}; {len(rows)} evaluations during training")
+            name = run
+            if a.json:
+                Path(a.json).write_text(json.dumps({"run": str(run), "checkpoint_step": meta.get("step"),
+                                                    "evaluations": rows}))
+        if rows:
+            print(table(rows, ranges or [(L, L) for L in sorted(rows[-1]["exact"])], a.every))
+        if a.json:
+            print(f"wrote {a.json}")
+        key = "/".join(Path(name).parts[-2:])                            # the label: label/seedN
+        series[key if key not in series else str(run)] = rows
+    if a.plot:
+        plot(series, ranges, a.plot)
+        print(f"wrote {a.plot}")
     return 0
 
 

@@ -258,7 +258,7 @@ def test_step_profile_pads_its_batches_to_the_bucket_given(tmp_path):
     bucket of 8 and to 96 by the default 32, at the longest length as when mixed as in training (--as-trained)."""
     out = tmp_path / "profile.json"
     args = ["--experiment", "prism-add", "--budget", "full", "--label", "prism-full", "--device", "cpu", "--tiny",
-            "--steps", 4, "--warm", 0, "--top", 1, "--no-eval", "--out", out]
+            "--steps", 2, "--warm", 0, "--top", 1, "--no-eval", "--out", out]
     for extra, bucket, padded in (([], 32, {96}), (["--bucket", 8], 8, {80, 88}),
                                   (["--bucket", 8, "--as-trained"], 8, {8 * k for k in range(1, 12)})):
         script("step_profile.py", *args, *extra)
@@ -570,7 +570,7 @@ def test_prism_answer_copy_finds_the_sources_and_reads_a_trained_run(tmp_path):
     assert prism_answer_copy.chain_ends(task, x, wrong, 3) == {"a": (1, 0), "b": (1, 0)}
 
 
-def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
+def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path, capsys):
     run_state = perf_module("run_state")
     run = tiny_run(tmp_path, task="copy", method="rope", train_lengths=[1, 2, 3], test_lengths=[2, 5],
                    eval_every=1, n_eval_during=4)
@@ -602,9 +602,9 @@ def test_run_state_reads_a_finished_run_and_its_checkpoint_alike(tmp_path):
     assert [y[-1] for _, _, y in lines[:2]] == [pytest.approx(w) for w in want]
     for bad, why in ((["--json", tmp_path / "j.json", run], "--json takes one run"),
                      (["--plot", tmp_path / "p.png"], "--plot needs --ranges")):
-        done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run), *map(str, bad)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and why in done.stderr
+        with pytest.raises(SystemExit) as stop:
+            run_state.main([str(run), *map(str, bad)])
+        assert stop.value.code == 2 and why in capsys.readouterr().err
     (run / train.CKPT).unlink()
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "run_state.py"), str(run)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -36,7 +36,7 @@ import torch
 
 from evaluation import fmt_time, glob_stored, read_metrics, read_stored, stored, summary_line
 from model import ModelConfig
-from tasks import TASKS
+from tasks import TASKS, close_loaders
 from train import CKPT, Interrupted, TrainConfig, device_of, train
 
 
@@ -555,11 +555,15 @@ def run_logged(run, cfg: TrainConfig, resume: bool | str = False, force: bool = 
 
 
 def end_children(before: set, log=print):
-    """Kill the processes that a run started in this process and left behind once it has ended (a data
-    worker that did not exit when its loader closed): they ignore SIGTERM, and at its own exit a process
-    sends its children SIGTERM and then waits for them, so the job process would never end. While it
-    kills them, torch's SIGCHLD handler is off: for a worker of a loader still open it would raise
-    "DataLoader worker ... is killed" in place of the run's outcome (a finished or checkpointed run)."""
+    """Once a run has ended: stop the data workers of any loader it left open (tasks.close_loaders), then
+    kill the processes that it started in this process and left behind (a data worker that did not exit
+    when its loader closed): they ignore SIGTERM, and at its own exit a process sends its children SIGTERM
+    and then waits for them, so the job process would never end. While it kills them, torch's SIGCHLD
+    handler is off: for a data worker it would raise "DataLoader worker ... is killed" in place of the
+    run's outcome (a finished or checkpointed run)."""
+    loaders = close_loaders()
+    if loaders:
+        log(f"stopped the data workers of {loaders} loader{'s' if loaders > 1 else ''} that the run left open")
     left = [p for p in multiprocessing.active_children() if p not in before]
     quiet = left and threading.current_thread() is threading.main_thread()
     if quiet:

@@ -22,6 +22,7 @@ import inspect
 import itertools
 import signal
 import sys
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -232,7 +233,25 @@ class TrainBatches(torch.utils.data.Dataset):
             prefetch_factor=4 if workers else None, collate_fn=_to_numpy, worker_init_fn=_ignore_stop_signals,
             multiprocessing_context=("fork" if sys.platform == "linux" else None) if workers else None,
             generator=torch.Generator())  # its own: the global generator (APE's shifts) stays the model's
-        return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in loader)
+        batches = iter(loader)
+        if workers:
+            OPEN_LOADERS.add(batches)
+        return (Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)) for arrays in batches)
+
+
+OPEN_LOADERS = weakref.WeakSet()   # the loaders with workers not yet stopped: close_loaders stops them
+
+
+def close_loaders() -> int:
+    """Stop the workers of every loader still open, as a loader does when it is closed (each worker
+    told to finish, then joined), and return how many were open. A worker killed in place of this may
+    die holding a lock that the loader's own stop takes later: the process that drops the loader then
+    waits on that lock for ever."""
+    open_ = [batches for batches in OPEN_LOADERS if not batches._shutdown]
+    for batches in open_:
+        batches._shutdown_workers()       # what the loader runs when it is dropped; a second call does nothing
+    OPEN_LOADERS.clear()
+    return len(open_)
 
 
 def _ignore_stop_signals(_worker: int):

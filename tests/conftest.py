@@ -1,6 +1,9 @@
 """Without a GPU, Triton kernels run through Triton's interpreter; it must be chosen before triton
 is first imported, so it is set here, before any test module loads."""
+import faulthandler
 import os
+import signal
+import tempfile
 
 import torch
 
@@ -9,6 +12,27 @@ if not torch.cuda.is_available():
 
 
 import pytest  # noqa: E402
+
+HANG_S = int(os.environ.get("TEST_HANG_S", "300"))   # the slowest test takes about 40 s on 2 cores
+
+
+@pytest.fixture(autouse=True)
+def a_test_that_hangs_fails():
+    """A test that hangs (waiting on a lock that a killed child process held, say) would hold the whole
+    suite until CI's limit: after HANG_S seconds it fails with every thread's stack, and the suite goes
+    on. The stacks come through the test's report, which pytest prints whatever it captured."""
+    def hung(signum, frame):
+        with tempfile.TemporaryFile("w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            stacks = f.read()
+        pytest.fail(f"still running after {HANG_S} s; every thread's stack, newest call first:\n{stacks}",
+                    pytrace=False)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(HANG_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -277,6 +277,23 @@ def test_a_crash_in_c_code_prints_where_python_was(tmp_path):
     assert "Fatal Python error: Segmentation fault" in result.stderr and "in crash_in_the_evaluation" in result.stderr
 
 
+def test_a_test_that_hangs_fails_with_its_stack_and_the_suite_goes_on(tmp_path):
+    """conftest's watchdog: a test blocked on a process lock that nobody will release (as a data worker
+    killed while holding its loader's lock leaves it) fails after TEST_HANG_S seconds with the line it
+    waits on, and the next test still runs."""
+    import shutil
+    shutil.copy(Path(__file__).parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_hang.py").write_text(
+        "import multiprocessing\n\n\ndef test_hangs():\n    lock = multiprocessing.Lock()\n"
+        "    lock.acquire()\n    lock.acquire()  # waits for ever\n\n\ndef test_after():\n    pass\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                          str(tmp_path / "test_hang.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TEST_HANG_S": "2", "PYTHONPATH": str(root)}).stdout
+    assert "1 failed, 1 passed" in out, out[-3000:]
+    assert "still running after 2 s" in out and "test_hang.py\", line 7 in test_hangs" in out, out[-3000:]
+
+
 def test_a_signal_raises_at_once_only_after_training(monkeypatch):
     with jobs.stop_signals() as flag:
         os.kill(os.getpid(), signal.SIGINT)

@@ -246,7 +246,7 @@ def test_step_profile_times_and_profiles_a_step(tmp_path):
     """stack: --tiny keeps as many layers as the blocks PRISM's positions feed (prism_blocks 0 and 3)."""
     out = tmp_path / "profile.json"
     text = script("step_profile.py", "--experiment", "prism-more", "--task", "stack", "--device", "cpu", "--tiny",
-                  "--steps", 2, "--top", 5, "--out", out)
+                  "--steps", 1, "--warm", 0, "--top", 5, "--out", out)
     got = json.loads(out.read_text())
     assert got["steps_per_s"] > 0 and 0 < got["eager_busy_ms"] and len(got["top"]) == 5
     assert got["top"][0][1] >= got["top"][-1][1] and "aten::" in text
@@ -258,13 +258,14 @@ def test_step_profile_pads_its_batches_to_the_bucket_given(tmp_path):
     bucket of 8 and to 96 by the default 32, at the longest length as when mixed as in training (--as-trained)."""
     out = tmp_path / "profile.json"
     args = ["--experiment", "prism-add", "--budget", "full", "--label", "prism-full", "--device", "cpu", "--tiny",
-            "--steps", 2, "--warm", 0, "--top", 1, "--no-eval", "--out", out]
+            "--steps", 2, "--warm", 0, "--top", 0, "--no-eval", "--out", out]
     for extra, bucket, padded in (([], 32, {96}), (["--bucket", 8], 8, {80, 88}),
                                   (["--bucket", 8, "--as-trained"], 8, {8 * k for k in range(1, 12)})):
         script("step_profile.py", *args, *extra)
         got = json.loads(out.read_text())
         assert got["bucket"] == bucket and got["as_trained"] == ("--as-trained" in extra)
         assert got["padded"] and set(got["padded"]) <= padded, (extra, got["padded"])
+        assert "top" not in got and got["steps_per_s"] > 0            # --top 0: no profile
 
 
 def test_eval_speed_times_each_pass_size_on_the_same_examples(tmp_path):
@@ -283,13 +284,13 @@ def test_eval_speed_times_each_pass_size_on_the_same_examples(tmp_path):
 def test_step_profile_picks_the_full_budgets_run_and_counts_its_evaluations(tmp_path):
     out = tmp_path / "profile.json"
     script("step_profile.py", "--experiment", "upe-add", "--budget", "full", "--label", "rpe-full", "--device", "cpu",
-           "--tiny", "--steps", 2, "--top", 2, "--out", out)
+           "--tiny", "--steps", 2, "--top", 0, "--out", out)
     got = json.loads(out.read_text())
     assert (got["task"], got["run"], got["steps"]) == ("add_padded", "rpe-full", 30_000)
     assert got["n_evals"] == 31     # every 1000 of 30k steps, and the final one
     assert got["eval_during_s"] == got["eval_s"]   # every evaluation takes n_eval examples a length
     text = script("step_profile.py", "--experiment", "prism-add", "--budget", "full", "--label", "prism-full",
-                  "--device", "cpu", "--tiny", "--steps", 2, "--top", 2, "--out", out)
+                  "--device", "cpu", "--tiny", "--steps", 2, "--top", 0, "--out", out)
     assert "18000 steps at (1)'s rate + 18 evaluations during training + the final one" in text, text
     assert "at most: the evaluations wait for a loss below 0.1" in text
     got = json.loads(out.read_text())              # (full size: 34 a length during training, 1,000 at the end)
@@ -356,9 +357,9 @@ def test_multi_gpu_sums_each_experiments_commands_and_gives_the_efficiency(tmp_p
 def test_step_profile_without_evaluation_and_its_option_checks(tmp_path):
     out = tmp_path / "profile.json"
     text = script("step_profile.py", "--experiment", "prism-more", "--task", "stack", "--device", "cpu", "--tiny",
-                  "--steps", 1, "--top", 2, "--no-eval", "--out", out)
+                  "--steps", 1, "--warm", 0, "--top", 0, "--no-eval", "--out", out)
     got = json.loads(out.read_text())
-    assert "(4)" not in text and "eval_s" not in got and got["steps_per_s"] > 0 and not got["tf32"]
+    assert "(2)" not in text and "(4)" not in text and "eval_s" not in got and got["steps_per_s"] > 0 and not got["tf32"]
     done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "step_profile.py"), "--profile-compiled"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--profile-compiled profiles the compiled model: add --compile" in done.stderr
@@ -384,7 +385,7 @@ def test_prism_parts_times_each_part_and_its_matmul_mix_is_the_models(tmp_path):
     assert [prism_parts.triton_width(P) for P in (96, 128, 129)] == [128, 128, 256]
 
 
-def test_seed_table_reads_each_seed_and_the_top_3_rule(tmp_path):
+def test_seed_table_reads_each_seed_and_the_top_3_rule(tmp_path, capsys):
     """Each seed's cell (up to / beyond the training length, "to L"), the mean (min-max) beyond it and the
     top-3 rule over evaluations during training, from metrics written here with known values; a seed
     without evaluations during training gives "-" for the rule; a folder without seeds is a one-line error."""
@@ -399,23 +400,29 @@ def test_seed_table_reads_each_seed_and_the_top_3_rule(tmp_path):
              "history": [{"step": 1000 * (i + 1), "eval": rows([1, 1, b, b])} for i, b in enumerate(history)]}
         (d / "metrics.json").write_text(json.dumps(m))
 
+    seed_table = perf_module("seed_table")
+
+    def table(*folders) -> list[str]:
+        seed_table.main([str(f) for f in folders])
+        return capsys.readouterr().out.splitlines()
+
     write("a", 0, [1.0, 0.95, 0.92, 0.5], [0.2, 0.6, 0.4, 0.7])
     write("a", 1, [0.8, 1.0, 0.1, 0.0], [])
     write("b", 2, [1.0, 1.0, 0.9, 0.3], [0.3])
-    out = script("seed_table.py", tmp_path / "stack" / "a", tmp_path / "stack" / "b").splitlines()
+    out = table(tmp_path / "stack" / "a", tmp_path / "stack" / "b")
     assert out[0] == "| run | seed 0 | seed 1 | seed 2 | beyond, mean (min-max) | the paper's rule (top 3) |"
     assert out[2] == "| stack/a | 0.975 / 0.710, to 3 | 0.900 / 0.050, to 0 |  | 0.380 (0.05-0.71) | - |", out
     assert out[3] == "| stack/b |  |  | 1.000 / 0.600, to 3 | 0.600 (one seed) | 0.300 (one seed) |", out
     (tmp_path / "stack" / "a" / "seed1" / "metrics.json").unlink()   # now seed 0 alone: (0.6 + 0.4 + 0.7) / 3
-    assert script("seed_table.py", tmp_path / "stack" / "a").splitlines()[2].endswith("| 0.567 (one seed) |")
+    assert table(tmp_path / "stack" / "a")[2].endswith("| 0.567 (one seed) |")
     (tmp_path / "copy").mkdir()                                      # stack/b again, from another place
     shutil.copytree(tmp_path / "stack" / "b", tmp_path / "copy" / "stack" / "b")
-    twice = script("seed_table.py", tmp_path / "stack" / "b", tmp_path / "copy" / "stack" / "b").splitlines()
+    twice = table(tmp_path / "stack" / "b", tmp_path / "copy" / "stack" / "b")
     assert [row.split(" | ")[0] for row in twice[2:]] == [f"| {tmp_path / 'stack' / 'b'}",
                                                           f"| {tmp_path / 'copy' / 'stack' / 'b'}"], twice
-    done = subprocess.run([sys.executable, str(ROOT / "docs" / "perf" / "seed_table.py"), str(tmp_path / "none")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "no seed*/metrics.json in" in done.stderr, done.stderr
+    with pytest.raises(SystemExit) as stop:
+        table(tmp_path / "none")
+    assert stop.value.code == 2 and "no seed*/metrics.json in" in capsys.readouterr().err
 
 
 def test_seed_table_reads_a_trained_run(tmp_path):

@@ -202,7 +202,7 @@ def test_the_papers_protocol_passes_the_intended_s(tmp_path, monkeypatch):
     trained = [s for training, _, s in seen if training]
     assert trained == [1.0] * 4 + [3.0] * 3                     # 1 layer: one call per step
     tested = [(T, s) for training, T, s in seen if not training]
-    T8, T16, T48 = 2 * 8 + 2, 2 * 16 + 2, 2 * 48 + 2             # [BoS] x [EoI] y: tokens per length
+    T16, T48 = 2 * 16 + 2, 2 * 48 + 2                         # [BoS] x [EoI] y: tokens per length
     # the lengths of one s share a padded pass: fixed; per length (1, 1, 3); s = 1; after fine-tuning, fixed
     assert tested == [(T48, 3.0), (T16, 1.0), (T48, 3.0), (T48, 1.0), (T48, 3.0)]
     named = {"s = L_test_max / L_train_max, no fine-tuning": [3.0, 3.0, 3.0],

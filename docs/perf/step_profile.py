@@ -16,7 +16,7 @@ device time per step (CUDA time on a GPU, the operators' own CPU time otherwise)
 evaluation as the run makes it (its test lengths and examples, and its held-out set; and one as it
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
-alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4); --scan-warps and
+alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4), --top 0 (2) and (3); --scan-warps and
 --tf32 time PRISM's step with another warp count in its scan or with TF32 products, --scores-kernel with its
 cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND), --half-scores with the scores kept in float16
 (prism.SCORES_DTYPE). --tiny shrinks the model: a check that the script runs, not a measurement. Run it from the
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="(1) with the model compiled (train.py --compile)")
     p.add_argument("--steps", type=int, default=30, help="steps timed, and steps profiled")
     p.add_argument("--warm", type=int, default=5, help="steps before the clock starts (graph captures)")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--top", type=int, default=25, help="operators listed in (3); 0 leaves (2) and (3) out")
     p.add_argument("--profile-compiled", action="store_true",
                    help="(2), (3) of the compiled model (without CUDA graphs) instead of the eager one")
     p.add_argument("--no-eval", action="store_true", help="leave out (4)")
@@ -157,7 +157,24 @@ def main(argv=None) -> int:
         f"{' (compiled)' if a.compile else ''}: {rate:.1f} steps/s ({1e3 / rate:.2f} ms a step)"
         + (f", {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB at most" if device.startswith("cuda") else ""))
 
-    cfg.graphs, cfg.compile = False, a.profile_compiled                  # (2), (3): every kernel seen
+    numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
+                   compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
+                   scores_kernel=a.scores_kernel, half_scores=a.half_scores, bucket=cfg.bucket,
+                   as_trained=a.as_trained, padded=padded, device=where, batch=cfg.batch_size, length=length,
+                   steps_per_s=rate, git=train.git_hash())
+    if a.top:
+        numbers.update(profiled(a, cfg, model, fwd, opt, task, device, data))
+    if not a.no_eval:
+        numbers.update(evaluations(a, cfg, model, task, device, rate))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(numbers, f, indent=1)
+    return 0
+
+
+def profiled(a, cfg, model, fwd, opt, task, device: str, data: list) -> dict:
+    """(2), (3): the timed steps again, eager (or compiled without graphs) under torch's profiler."""
+    cfg.graphs, cfg.compile = False, a.profile_compiled                  # every kernel seen
     eager = train.Step(model, fwd if a.profile_compiled else model, opt, cfg, task, device)
     for batch in data[:2]:                                              # a compiled model compiles on both
         eager(batch)
@@ -191,18 +208,7 @@ def main(argv=None) -> int:
     for key, ms in top:
         say(f"  {ms:8.3f}  {100 * ms / busy:5.1f}%  {key[:100]}")
 
-    numbers = dict(experiment=a.experiment, budget=a.budget, task=cfg.task, run=cfg.run_dir().parent.name,
-                   compile=a.compile, profiled_compiled=a.profile_compiled, scan_warps=a.scan_warps, tf32=a.tf32,
-                   scores_kernel=a.scores_kernel, half_scores=a.half_scores, bucket=cfg.bucket,
-                   as_trained=a.as_trained, padded=padded,
-                   device=where, batch=cfg.batch_size, length=length, steps_per_s=rate, eager_busy_ms=busy,
-                   eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top, git=train.git_hash())
-    if not a.no_eval:
-        numbers.update(evaluations(a, cfg, model, task, device, rate))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(numbers, f, indent=1)
-    return 0
+    return dict(eager_busy_ms=busy, eager_wall_ms=wall, kernels_per_step=launches / a.steps, top=top)
 
 
 def evaluations(a, cfg, model, task, device: str, rate: float) -> dict:

@@ -1,5 +1,6 @@
 """Without a GPU, Triton kernels run through Triton's interpreter; it must be chosen before triton
-is first imported, so it is set here, before any test module loads."""
+is first imported, so it is set here, before any test module loads. Every test runs under a watchdog
+(a_test_that_hangs_fails) and sees only the runs it makes (no_committed_times)."""
 import faulthandler
 import os
 import signal

@@ -60,6 +60,8 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): the kernels keep logits in base 2
 CHUNK = 8   # R: blocks per chunk
 UT_WARPS = 4  # warps of the fused UT kernels (measured faster than 8: docs/perf/path.md)
+UT_MAXNREG: int | None = None  # registers a thread of the UT kernels may take (ptxas' .maxnreg; fewer lets more
+                               # programs share an SM, at the cost of spills); None: as many as they need
 # Launch settings per head dim and kernel, each the fastest measured (docs/perf/path.md): warps,
 # pipeline stages, and for _fwd and _bwd_dq the stages of their loop over a chunk's key tiles (KS)
 # and of _bwd_dq's loop over the earlier blocks of its chunk (IS). D = 128 takes one stage less in
@@ -616,6 +618,10 @@ def _ut_bwd(Q, K, W, BETA, TI, DQH, DKH, DMB, DSD, DQ, DK, DW, DBETA, scale, D: 
     tl.store(DBETA + row, dbeta)
 
 
+def ut_registers() -> dict:
+    return {"maxnreg": UT_MAXNREG} if UT_MAXNREG else {}
+
+
 class UTBlocks(torch.autograd.Function):
     """(qh, kh, M, sd) from q, k, w, beta of shapes (BH, T, D) and (BH, T), T a multiple of BL; fused
     per block in Triton. qh, kh and sd are those of `path_attention.ut_blocks`, M = W^T U per block
@@ -638,7 +644,7 @@ class UTBlocks(torch.autograd.Function):
         lp = q.dtype != torch.float32                           # 16-bit inputs: 16-bit products
         u = torch.empty_like(q, dtype=torch.float16 if lp else torch.float32) if store_u else None
         _ut_fwd[(T // BL, BH)](q, k, w, beta, qh, kh, mb, sd, ti, qh if u is None else u, scale, D=D, BL=BL, LP=lp,
-                               STORE_U=store_u, STORE_M=store_m, num_warps=UT_WARPS)
+                               STORE_U=store_u, STORE_M=store_m, num_warps=UT_WARPS, **ut_registers())
         ctx.save_for_backward(q, k, w, beta, ti)
         ctx.scale, ctx.BL, ctx.lp = scale, BL, lp
         if u is not None:
@@ -656,7 +662,7 @@ class UTBlocks(torch.autograd.Function):
         dq, dk, dw = torch.empty_like(q), torch.empty_like(k), torch.empty(BH, T, D, **f32)
         dbeta = torch.empty(BH, T, **f32)
         _ut_bwd[(T // ctx.BL, BH)](q, k, w, beta, ti, *grads, dsd, dq, dk, dw, dbeta, ctx.scale, D=D, BL=ctx.BL,
-                                  LP=ctx.lp, num_warps=UT_WARPS)
+                                  LP=ctx.lp, num_warps=UT_WARPS, **ut_registers())
         return dq, dk, dw, dbeta, None, None, None, None
 
 

@@ -91,7 +91,7 @@ def test_path_profile_names_real_kernels_and_its_inputs_fit_path_attention():
     path_profile = perf_module("path_profile")
     missing = [name for name in path_profile.TRITON_KERNELS if not hasattr(path_profile.kp, name)]
     assert not missing, f"path_profile.py times kernels that kernels/path_attention.py lacks: {missing}"
-    for name in ("launch", "UT_WARPS", "CHUNK", "SPLIT_DKL", "DKL_TILE"):   # what its sweeps patch
+    for name in ("launch", "UT_WARPS", "UT_MAXNREG", "CHUNK", "SPLIT_DKL", "DKL_TILE"):   # what its sweeps patch
         assert hasattr(path_profile.kp, name), name
     args = path_profile.inputs(1, 2, 9, 16, torch.float32, True, device="cpu")
     path_profile.step_fn(path_profile.pa.path_attention, args)()   # fwd + bwd through its own inputs

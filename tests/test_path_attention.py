@@ -392,6 +392,38 @@ def test_triton_gpu_d_x_d_sums_in_their_own_kernel(D, dtype, tol, monkeypatch):
     check_with(monkeypatch, {"SPLIT_DM": kp.SPLIT_DM ^ {D}}, 1100, D, dtype, tol, D + 5, device="cuda")
 
 
+def test_ut_kernels_take_a_register_limit(monkeypatch):
+    """UT_MAXNREG reaches both UT launches as Triton's maxnreg (here through the interpreter, which
+    ignores it): the same outputs and gradients as without it. The GPU test checks the compiled ones."""
+    import kernels.path_attention as kp
+    q, k, _, w, beta, _ = make_inputs(1, 2, 16, 16, gate=False, dtype=torch.float16, device=DEV, seed=5)
+    xs = [x.detach().reshape(2, 16, -1).squeeze(-1).contiguous().requires_grad_(True) for x in (q, k, w, beta)]
+    got = {}
+    for limit in (None, 128):
+        monkeypatch.setattr(kp, "UT_MAXNREG", limit)
+        assert kp.ut_registers() == ({} if limit is None else {"maxnreg": 128})
+        *outs, _ = kp.UTBlocks.apply(*xs, 0.3, 16)                   # qh, kh, M, sd
+        got[limit] = outs + list(torch.autograd.grad([o.float().sum() for o in outs], xs))
+    assert all(torch.equal(a, b) for a, b in zip(got[None], got[128], strict=True))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_triton_gpu_ut_kernels_under_a_register_limit_give_the_same_bits(D, monkeypatch):
+    """UT_MAXNREG (ptxas' register limit for `_ut_fwd` and `_ut_bwd`, spilling what does not fit) changes where
+    values live, not what is computed: the output and every gradient equal the default's bit for bit (bf16,
+    T = 1100 with the chunk level, gated)."""
+    import kernels.path_attention as kp
+    xs = make_inputs(1, 2, 1100, D, gate=True, dtype=torch.bfloat16, device="cuda", seed=D + 11)
+    do = torch.randn(1, 2, 1100, D, device="cuda")
+    want = run(path_attention_triton, xs, do)
+    monkeypatch.setattr(kp, "UT_MAXNREG", 128)
+    got = run(path_attention_triton, xs, do)
+    for name, a, b in zip(["out"] + names_for(xs), got, want):
+        assert torch.equal(a, b), name
+
+
 def test_triton_rejects_other_head_dims():
     xs = make_inputs(1, 1, 8, 24, dtype=torch.float32)
     with pytest.raises(ValueError, match="head dims 16, 32, 64 or 128"):

@@ -124,6 +124,8 @@ def main(argv=None) -> int:
                    "(default: the kernels' own settings)")
     p.add_argument("--blocks", default="", help="block lengths BL to try (default: block_size(D))")
     p.add_argument("--ut-warps", default="", help="warps of the fused UT kernels to try")
+    p.add_argument("--ut-maxnreg", default="", help="registers a thread of the UT kernels may take, to try "
+                   "(kernels.path_attention.UT_MAXNREG; 0: as many as they need)")
     p.add_argument("--dkv", default="", help="warps x stages of _bwd_dkv alone to try")
     p.add_argument("--chunk", default="", help="warps x stages of the chunk-product kernels to try")
     p.add_argument("--chunks", default="", help="blocks per chunk R to try (default: CHUNK)")
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     attn = [None] if not a.sweep else [tuple(int(x) for x in s.split("x")) for s in a.sweep.split(",")]
     blocks = [None] if not a.blocks else [int(x) for x in a.blocks.split(",")]
     ut_warps = [kp.UT_WARPS] if not a.ut_warps else [int(x) for x in a.ut_warps.split(",")]
+    ut_regs = [kp.UT_MAXNREG] if not a.ut_maxnreg else [int(x) or None for x in a.ut_maxnreg.split(",")]
     dkv = [None] if not a.dkv else [tuple(int(x) for x in s.split("x")) for s in a.dkv.split(",")]
     chunk = [None] if not a.chunk else [tuple(int(x) for x in s.split("x")) for s in a.chunk.split(",")]
     chunks = [kp.CHUNK] if not a.chunks else [int(x) for x in a.chunks.split(",")]
@@ -159,23 +162,25 @@ def main(argv=None) -> int:
         [a.D in defaults[f]] if not getattr(a, f) else [bool(int(x)) for x in getattr(a, f).split(",")]
         for f in defaults))]
     default_launch, default_split, default_tile = kp.launch, set(kp.SPLIT_DKL), kp.DKL_TILE
+    default_ut = kp.UT_WARPS, kp.UT_MAXNREG
     variants = [dict(tuple(kv.split("=")) for kv in v.split()) for v in a.launch] or [{}]
-    grid = [(BL, R, uw, ws, ks, cs, sp, ls, kt, on, lv) for BL in blocks for R in chunks
-            for uw in ut_warps for ws in attn for ks in dkv for cs in chunk for sp in splits
+    grid = [(BL, R, uw, ur, ws, ks, cs, sp, ls, kt, on, lv) for BL in blocks for R in chunks
+            for uw in ut_warps for ur in ut_regs for ws in attn for ks in dkv for cs in chunk for sp in splits
             for ls in (dkl if sp else [None]) for kt in (tiles if sp else [default_tile]) for on in ons
             for lv in variants]
-    for BL, R, uw, ws, ks, cs, sp, ls, kt, on, lv in grid:
+    for BL, R, uw, ur, ws, ks, cs, sp, ls, kt, on, lv in grid:
         def patched(name, D, ws=ws, ks=ks, cs=cs, ls=ls, lv=lv):
             new = (ks if name == "dkv" and ks else ws if name in ("fwd", "dq", "dkv")
                    else cs if name == "chunk" else ls if name == "dkl" else None)
             over = {} if new is None else dict(num_warps=new[0], num_stages=new[1])
             given = {k.split(".")[1]: int(v) for k, v in lv.items() if k.split(".")[0] == name}
             return default_launch(name, D) | over | given
-        kp.launch, kp.UT_WARPS = patched, uw
+        kp.launch, kp.UT_WARPS, kp.UT_MAXNREG = patched, uw, ur
         kp.SPLIT_DKL, kp.DKL_TILE = (default_split | {a.D} if sp else default_split - {a.D}), kt
         for flag, (name, _) in HEAD_DIM_SETS.items():
             setattr(kp, name, defaults[flag] | {a.D} if on[flag] else defaults[flag] - {a.D})
-        label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw} attn={'default' if ws is None else '%dx%d' % ws}"
+        label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw}"
+                 + (f" ut_maxnreg={ur or 0}" if a.ut_maxnreg else "") + f" attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
                  f" split={int(sp)} " + " ".join(f"{f}={int(v)}" for f, v in on.items())
@@ -196,7 +201,8 @@ def main(argv=None) -> int:
             with open(a.out, "a") as f:
                 f.write(json.dumps(dict(label=label, ms=ms, ratio=ms / sdpa_ms, kernels=per, sdpa_ms=sdpa_ms,
                                         shape=vars(a))) + "\n")
-    kp.launch, kp.UT_WARPS, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, ut_warps[0], default_split, default_tile
+    kp.launch, kp.SPLIT_DKL, kp.DKL_TILE = default_launch, default_split, default_tile
+    kp.UT_WARPS, kp.UT_MAXNREG = default_ut
     for flag, (name, _) in HEAD_DIM_SETS.items():
         setattr(kp, name, defaults[flag])
     print("registers, spills (warps, stages, regs, spills) per compiled variant:")

@@ -47,7 +47,7 @@ def record(call) -> list[tuple]:
     launches, real = [], interpreter.InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         launches.append((self.fn, {**dict(zip(self.arg_names, args)), **kwargs}, options))
     interpreter.InterpretedFunction.run = run
     try:
@@ -120,7 +120,7 @@ def report(spec: dict) -> str:
     warn = "  (more shared memory than sm_90 has)" if r["shared"] > SHARED_MAX else ""
     o = spec["options"]
     return (f"{spec['module']}.{spec['name']} [{shown}; {o.get('num_warps', 4)} warps, "
-            f"{o.get('num_stages', 3)} stages]: "
+            f"{o.get('num_stages', 3)} stages" + (f", maxnreg {o['maxnreg']}" if o.get("maxnreg") else "") + "]: "
             f"{r['registers']} registers, spills {r['spill_stores']} / {r['spill_loads']} bytes (stores / loads), "
             f"{r['shared']} bytes shared{warn}")
 

@@ -180,7 +180,8 @@ def main(argv=None) -> int:
         for flag, (name, _) in HEAD_DIM_SETS.items():
             setattr(kp, name, defaults[flag] | {a.D} if on[flag] else defaults[flag] - {a.D})
         label = (f"BL={BL or kp.block_size(a.D)} R={R} ut_warps={uw}"
-                 + (f" ut_maxnreg={ur or 0}" if a.ut_maxnreg else "") + f" attn={'default' if ws is None else '%dx%d' % ws}"
+                 + (f" ut_maxnreg={ur or 0}" if a.ut_maxnreg else "")
+                 + f" attn={'default' if ws is None else '%dx%d' % ws}"
                  f" dkv={'default' if ks is None else '%dx%d' % ks}"
                  f" chunk={'default' if cs is None else '%dx%d' % cs}"
                  f" split={int(sp)} " + " ".join(f"{f}={int(v)}" for f, v in on.items())

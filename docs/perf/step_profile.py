@@ -16,11 +16,11 @@ device time per step (CUDA time on a GPU, the operators' own CPU time otherwise)
 evaluation as the run makes it (its test lengths and examples, and its held-out set; and one as it
 evaluates during training, where that takes fewer examples) and the run's projected time alone: its
 steps at (1)'s rate plus its evaluations. Data is made before the clock starts, so (1) is the step
-alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4), --top 0 (2) and (3); --scan-warps and
---tf32 time PRISM's step with another warp count in its scan or with TF32 products, --scores-kernel with its
-cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND), --half-scores with the scores kept in float16
-(prism.SCORES_DTYPE). --tiny shrinks the model: a check that the script runs, not a measurement. Run it from the
-repository root.
+alone; a run's data workers add nothing where they keep up. --no-eval leaves out (4), --top 0 (2) and (3);
+--scan-warps and --tf32 time PRISM's step with another warp count in its scan or with TF32 products,
+--scores-kernel with its cursor scores from kernels/prism_scores.py (prism.SCORES_BACKEND), --half-scores
+with the scores kept in float16 (prism.SCORES_DTYPE). --tiny shrinks the model: a check that the script runs,
+not a measurement. Run it from the repository root.
 Results: docs/perf/prism.md (PRISM), docs/perf/training.md (the full budget's runs).
 """
 from __future__ import annotations

@@ -246,10 +246,10 @@ def close_loaders() -> int:
     """Stop the workers of every loader still open, as a loader does when it is closed (each worker
     told to finish, then joined), and return how many were open. A worker killed in place of this may
     die holding a lock that the loader's own stop takes later: the process that drops the loader then
-    waits on that lock for ever."""
+    waits on that lock for ever. (torch has no public call for this: it is what a dropped loader runs.)"""
     open_ = [batches for batches in OPEN_LOADERS if not batches._shutdown]
     for batches in open_:
-        batches._shutdown_workers()       # what the loader runs when it is dropped; a second call does nothing
+        batches._shutdown_workers()       # a second call does nothing
     OPEN_LOADERS.clear()
     return len(open_)
 
